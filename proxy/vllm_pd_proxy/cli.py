@@ -1,0 +1,261 @@
+"""``vllm-pd-proxy`` command line: parse flags, build the config, run the app.
+
+Lifecycle: :func:`main` parses argv into a :class:`ProxyConfig`, configures
+logging, builds the app with ``create_app`` and serves it with
+``aiohttp.web.run_app`` until SIGINT/SIGTERM. Handler cancellation is on, so
+a client disconnect cancels its request handler and the upstream legs. Every
+flag is documented in docs/proxy.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from . import __version__
+from .config import TRANSFER_MODES, ConfigError, ProxyConfig
+from .routing import POLICIES
+
+logger = logging.getLogger("vllm_pd_proxy")
+
+_D = ProxyConfig()  # defaults shown in --help come from the dataclass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-pd-proxy",
+        description="Prefill/decode disaggregation proxy for vLLM OpenAI servers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--host", default=_D.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=_D.port, help="port to listen on")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="prefill engine base URL (http://host:port); repeat for several",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="decode engine base URL (http://host:port); repeat for several",
+    )
+    p.add_argument(
+        "--transfer-mode",
+        choices=TRANSFER_MODES,
+        default=_D.transfer_mode,
+        help="pull: D reads the KV from P after P answers; push: both legs at "
+        "once, P writes the KV to D (needs the vllm_pd_ext connector)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=sorted(POLICIES),
+        default=_D.routing,
+        help="how a backend is chosen within each role",
+    )
+    g = p.add_argument_group("conditional disaggregation")
+    g.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=_D.local_prefill_threshold,
+        metavar="TOKENS",
+        help="prompts estimated below this many tokens are prefilled by the "
+        "decode engine itself (no P leg); 0 disables",
+    )
+    g.add_argument(
+        "--prefix-aware-len",
+        type=int,
+        default=_D.prefix_aware_len,
+        metavar="N",
+        help="remember the first N chars (text) / token ids of prompts per decode "
+        "engine; a repeat prefix counts as cached when applying the "
+        "threshold; 0 disables (needs --local-prefill-threshold)",
+    )
+    g.add_argument(
+        "--prefix-cache-size",
+        type=int,
+        default=_D.prefix_cache_size,
+        metavar="ENTRIES",
+        help="prefixes remembered per decode engine (LRU)",
+    )
+    g = p.add_argument_group("timeouts and retries (seconds)")
+    g.add_argument(
+        "--prefill-retries",
+        type=int,
+        metavar="N",
+        default=_D.prefill_retries,
+        help="retries of a prefill leg on another prefill engine after "
+        "502/503/504 or a connection failure",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=float,
+        metavar="S",
+        default=_D.connect_timeout,
+        help="TCP connect to a backend",
+    )
+    g.add_argument(
+        "--prefill-timeout",
+        type=float,
+        metavar="S",
+        default=_D.prefill_timeout,
+        help="whole prefill leg",
+    )
+    g.add_argument(
+        "--decode-timeout",
+        type=float,
+        metavar="S",
+        default=_D.decode_timeout,
+        help="decode leg until its first bytes (streaming) or whole body",
+    )
+    g.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        metavar="S",
+        default=_D.stream_idle_timeout,
+        help="longest silence between two chunks of a decode stream",
+    )
+    g.add_argument(
+        "--health-interval",
+        type=float,
+        metavar="S",
+        default=_D.health_interval,
+        help="period of the background health round",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        metavar="S",
+        default=_D.health_timeout,
+        help="each health probe, identity probe and /v1/models call",
+    )
+    g = p.add_argument_group("connections")
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        default=_D.max_connections,
+        help="upstream connection pool size (each request holds up to two)",
+    )
+    g.add_argument(
+        "--max-connections-per-backend",
+        type=int,
+        metavar="N",
+        default=_D.max_connections_per_backend,
+        help="per-backend cap; 0: none",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        metavar="S",
+        default=_D.keepalive_timeout,
+        help="idle upstream connections are closed after this; keep it below "
+        "the engines' keep-alive (uvicorn: 5 s)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        metavar="N",
+        default=_D.max_request_bytes,
+        help="largest accepted client request body",
+    )
+    g = p.add_argument_group("runtime")
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="'info' writes one access-log line per request",
+    )
+    g.add_argument(
+        "--event-loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="auto: uvloop when it is installed",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        host=args.host,
+        port=args.port,
+        transfer_mode=args.transfer_mode,
+        routing=args.routing,
+        local_prefill_threshold=args.local_prefill_threshold,
+        prefix_aware_len=args.prefix_aware_len,
+        prefix_cache_size=args.prefix_cache_size,
+        prefill_retries=args.prefill_retries,
+        connect_timeout=args.connect_timeout,
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        stream_idle_timeout=args.stream_idle_timeout,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_backend=args.max_connections_per_backend,
+        keepalive_timeout=args.keepalive_timeout,
+        max_request_bytes=args.max_request_bytes,
+    ).validated()
+
+
+def _event_loop(choice: str) -> asyncio.AbstractEventLoop | None:
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("--event-loop uvloop: uvloop is not installed") from None
+        return None
+    return uvloop.new_event_loop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from .app import create_app  # after logging is set up
+
+    app = create_app(config)
+    logger.info(
+        "vllm-pd-proxy %s on http://%s:%d mode=%s routing=%s prefill=%s decode=%s",
+        __version__,
+        config.host,
+        config.port,
+        config.transfer_mode,
+        config.routing,
+        list(config.prefill),
+        list(config.decode),
+    )
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,  # client disconnect -> cancel legs upstream
+        access_log=None,  # our own access log line is richer
+        print=None,
+        loop=_event_loop(args.event_loop),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Proxy configuration: one frozen dataclass shared by the CLI, the app and tests.
+
+Lifecycle: built once (by :mod:`vllm_pd_proxy.cli` from argv, or directly by
+tests/benchmarks), validated by :meth:`ProxyConfig.validated`, then passed to
+``create_app``. Nothing mutates it afterwards; runtime state lives in the
+objects ``create_app`` builds from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+TransferMode = Literal["pull", "push"]
+TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
+
+
+class ConfigError(ValueError):
+    """An invalid combination of settings; the CLI turns it into a usage error."""
+
+
+def normalize_url(url: str) -> str:
+    """Return ``url`` as ``scheme://host:port`` without a trailing slash.
+
+    A bare ``host:port`` gets ``http://`` so ``--prefill 127.0.0.1:8100`` works.
+    """
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"backend URL {url!r} is not an http(s)://host:port URL")
+    if parts.path not in ("", "/"):
+        # Engines are addressed by their root; the proxy appends /v1/... itself.
+        raise ConfigError(f"backend URL {url!r} must not carry a path (got {parts.path!r})")
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """Every tunable of the proxy; defaults match the documented CLI defaults."""
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    transfer_mode: TransferMode = "pull"
+    routing: str = "least-loaded"
+    # Conditional disaggregation: prompts estimated below this many tokens are
+    # prefilled on the decode engine itself. 0 disables it.
+    local_prefill_threshold: int = 0
+    # Prefix-aware variant: length (chars of text / token ids) of the prompt
+    # prefix remembered per decode engine; 0 disables it.
+    prefix_aware_len: int = 0
+    prefix_cache_size: int = 1024
+    # Retries of the prefill leg on another prefill engine (502/503/504 or
+    # connection failure, before anything went to D or the client).
+    prefill_retries: int = 1
+    connect_timeout: float = 10.0
+    prefill_timeout: float = 300.0
+    decode_timeout: float = 600.0
+    stream_idle_timeout: float = 120.0
+    health_interval: float = 5.0
+    health_timeout: float = 5.0
+    max_connections: int = 1024
+    max_connections_per_backend: int = 0
+    # Below uvicorn's default keep-alive (5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
+    # so the proxy never reuses a socket the engine is about to close.
+    keepalive_timeout: float = 4.0
+    # Long prompts (and base64 images) exceed aiohttp's 1 MiB default.
+    max_request_bytes: int = 64 * 1024 * 1024
+
+    def validated(self) -> ProxyConfig:
+        """Return a copy with normalized URLs; raise ConfigError on bad values."""
+        if not self.prefill:
+            raise ConfigError("at least one --prefill backend is required")
+        if not self.decode:
+            raise ConfigError("at least one --decode backend is required")
+        prefill = tuple(normalize_url(u) for u in self.prefill)
+        decode = tuple(normalize_url(u) for u in self.decode)
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"duplicate --{role} backend in {list(urls)}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"--transfer-mode must be one of {TRANSFER_MODES}")
+        if self.local_prefill_threshold < 0:
+            raise ConfigError("--local-prefill-threshold must be >= 0")
+        if self.prefix_aware_len < 0 or self.prefix_cache_size < 1:
+            raise ConfigError("--prefix-aware-len must be >= 0 and --prefix-cache-size >= 1")
+        if self.prefix_aware_len and not self.local_prefill_threshold:
+            raise ConfigError("--prefix-aware-len needs --local-prefill-threshold > 0")
+        if self.prefill_retries < 0:
+            raise ConfigError("--prefill-retries must be >= 0")
+        timeouts = {
+            "--connect-timeout": self.connect_timeout,
+            "--prefill-timeout": self.prefill_timeout,
+            "--decode-timeout": self.decode_timeout,
+            "--stream-idle-timeout": self.stream_idle_timeout,
+            "--health-interval": self.health_interval,
+            "--health-timeout": self.health_timeout,
+            "--keepalive-timeout": self.keepalive_timeout,
+        }
+        for flag, value in timeouts.items():
+            if not value > 0:
+                raise ConfigError(f"{flag} must be > 0 (got {value})")
+        if self.max_connections < 1 or self.max_connections_per_backend < 0:
+            raise ConfigError("--max-connections must be >= 1, --max-connections-per-backend >= 0")
+        if self.max_request_bytes < 1024:
+            raise ConfigError("--max-request-bytes must be >= 1024")
+        return dataclasses.replace(self, prefill=prefill, decode=decode)

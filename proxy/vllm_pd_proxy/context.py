@@ -1,0 +1,62 @@
+"""Per-request record: what the proxy decided and what happened.
+
+Lifecycle: :mod:`vllm_pd_proxy.forward` creates one :class:`RequestContext`
+when a client request arrives, the legs fill it in (chosen backends, first
+byte time, outcome), and at the end it feeds the metrics and produces the one
+structured INFO access-log line per request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .backends import Backend
+    from .metrics import Metrics
+
+access_log = logging.getLogger("vllm_pd_proxy.access")
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    endpoint: str
+    started: float
+    chat: bool = False
+    stream: bool = False
+    tokens: int = 0
+    mode: str = "none"
+    prefill: Backend | None = None
+    decode: Backend | None = None
+    status: int = 0
+    ttft: float | None = None
+    outcome: str = "ok"
+    retries: int = 0
+    error: str | None = None
+
+    def finish(self, now: float, metrics: Metrics) -> None:
+        """Record metrics and write the access-log line."""
+        e2e = now - self.started
+        metrics.requests.labels(self.outcome, self.mode).inc()
+        metrics.e2e.observe(e2e)
+        if self.ttft is not None:
+            metrics.ttft.observe(self.ttft)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(
+                "request_id=%s endpoint=%s mode=%s prefill=%s decode=%s status=%d outcome=%s "
+                "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d retries=%d%s",
+                self.request_id,
+                self.endpoint,
+                self.mode,
+                self.prefill.url if self.prefill else "-",
+                self.decode.url if self.decode else "-",
+                self.status,
+                self.outcome,
+                "-" if self.ttft is None else f"{self.ttft * 1000:.1f}",
+                e2e * 1000,
+                self.tokens,
+                self.retries,
+                f' error="{self.error}"' if self.error else "",
+            )

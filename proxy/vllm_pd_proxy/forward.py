@@ -1,0 +1,376 @@
+"""Request orchestration: parse, decide local vs P/D, run the legs, answer.
+
+Lifecycle: the app's cleanup context builds one :class:`Forwarder` around the
+shared ClientSession; ``POST /v1/completions`` and ``/v1/chat/completions``
+call :meth:`Forwarder.handle` once per client request. Flow:
+
+1. parse the body (400 on bad JSON), estimate prompt tokens, pick the mode:
+   ``local`` (conditional disaggregation: D prefills itself), ``pull`` or
+   ``push`` (``--transfer-mode``);
+2. pull: P leg (retried on another P for 502/503/504 or connection failures),
+   then the D leg with P's ``kv_transfer_params``; push: P and D legs at once,
+   D cancelled if P fails before D's first byte;
+3. relay D's answer (:mod:`vllm_pd_proxy.relay`), then metrics + access log.
+
+Client disconnects cancel the handler (aiohttp ``handler_cancellation``); the
+``finally`` blocks close the upstream responses and cancel the P task, which
+closes their connections so the engines abort the request and free its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Hashable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from . import errors
+from .backends import Backend, Pool, PrefillIdentity
+from .config import ProxyConfig
+from .context import RequestContext
+from .health import HealthMonitor, ProbeError
+from .legs import (
+    decode_body,
+    prefill_body,
+    pull_prefill_params,
+    push_decode_params,
+    push_prefill_params,
+)
+from .metrics import Metrics
+from .prompt import estimate_tokens, prefix_key
+from .relay import (
+    OpenedDecode,
+    complete_response,
+    open_decode,
+    open_decode_guarded,
+    relay_stream,
+)
+
+logger = logging.getLogger("vllm_pd_proxy.forward")
+
+_encode = msgspec.json.encode
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The client's JSON object, or a 400 ProxyError saying what is wrong."""
+    if not raw:
+        raise errors.bad_request("request body is empty; expected a JSON object")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise errors.bad_request("request body must be a JSON object")
+    return body
+
+
+class Forwarder:
+    """Serves completion requests across the prefill and decode pools."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        prefill: Pool,
+        decode: Pool,
+        session: aiohttp.ClientSession,
+        monitor: HealthMonitor,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._prefill = prefill
+        self._decode = decode
+        self._session = session
+        self._monitor = monitor
+        self._metrics = metrics
+        self._push = config.transfer_mode == "push"
+
+    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        ctx = RequestContext(rid, request.path, loop.time(), chat=chat)
+        try:
+            body = parse_body(await request.read())
+            ctx.stream = bool(body.get("stream"))
+            ctx.tokens = estimate_tokens(body, chat)
+            headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers["Authorization"] = auth
+            out = await self._route(request, ctx, body, headers)
+            if ctx.outcome != "cancelled":
+                ctx.status = out.status
+            return out
+        except errors.ProxyError as exc:
+            ctx.status, ctx.outcome, ctx.error = exc.status, exc.outcome, exc.message
+            return exc.response(rid)
+        except asyncio.CancelledError:
+            ctx.status, ctx.outcome = 499, "cancelled"
+            raise
+        except web.HTTPException as exc:  # e.g. 413 from request.read()
+            ctx.status, ctx.outcome, ctx.error = exc.status, "bad_request", exc.reason
+            raise
+        except Exception as exc:
+            logger.exception("request %s failed unexpectedly", rid)
+            err = errors.ProxyError(
+                500,
+                f"proxy internal error: {exc!r}",
+                err_type="internal_error",
+                outcome="internal_error",
+            )
+            ctx.status, ctx.outcome, ctx.error = 500, err.outcome, err.message
+            return err.response(rid)
+        finally:
+            ctx.finish(loop.time(), self._metrics)
+
+    # -- decisions -----------------------------------------------------------
+
+    async def _route(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        # The proxy owns kv_transfer_params: a client's own would corrupt the
+        # handshake (or make a local-prefill request wait for a remote KV).
+        body.pop("kv_transfer_params", None)
+        local, reason, decode, prefix = self._decide(ctx, body)
+        self._metrics.decisions.labels("local" if local else "remote", reason).inc()
+        if local:
+            ctx.mode = "local"
+            return await self._decode_leg(request, ctx, decode, _encode(body), headers, prefix)
+        if self._push:
+            ctx.mode = "push"
+            return await self._push_flow(request, ctx, body, headers, decode, prefix)
+        ctx.mode = "pull"
+        if decode is None and not self._decode.any_routable():
+            # D is picked after P (its load changes meanwhile), but a prefill
+            # whose KV no decode engine can take would be wasted work.
+            raise errors.no_backend(self._decode.describe_unavailable())
+        return await self._pull_flow(request, ctx, body, headers, decode, prefix)
+
+    def _decide(
+        self, ctx: RequestContext, body: dict[str, Any]
+    ) -> tuple[bool, str, Backend | None, Hashable | None]:
+        """(local?, reason, preselected D, prefix key to remember on that D)."""
+        threshold = self._config.local_prefill_threshold
+        if not threshold:
+            return False, "always_remote", None, None
+        if ctx.tokens < threshold:
+            return True, "short_prompt", None, None
+        if not self._config.prefix_aware_len:
+            return False, "long_prompt", None, None
+        # Prefix-aware: the D must be chosen first, since the decision depends
+        # on what this particular D has served (and so has in its prefix cache).
+        decode = self._pick_decode(ctx)
+        found = prefix_key(body, ctx.chat, self._config.prefix_aware_len)
+        if found is None or decode.prefixes is None:
+            return False, "long_prompt", decode, None
+        key, prefix_tokens = found
+        if key in decode.prefixes and ctx.tokens - prefix_tokens < threshold:
+            return True, "prefix_hit", decode, key
+        return False, "long_prompt", decode, key
+
+    def _pick_decode(self, ctx: RequestContext) -> Backend:
+        decode = self._decode.pick(ctx.tokens)
+        if decode is None:
+            raise errors.no_backend(self._decode.describe_unavailable())
+        return decode
+
+    # -- flows ---------------------------------------------------------------
+
+    async def _pull_flow(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        decode: Backend | None,
+        prefix: Hashable | None,
+    ) -> web.StreamResponse:
+        p_body = _encode(prefill_body(body, pull_prefill_params()))
+        answer = await self._prefill_with_retry(ctx, p_body, headers)
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params:
+            assert ctx.prefill is not None
+            raise errors.protocol_error(
+                "prefill",
+                ctx.prefill,
+                "answer has no kv_transfer_params, so the decode leg cannot fetch the KV "
+                "cache; is the engine running a KV connector with kv_role kv_producer or "
+                "kv_both?",
+            )
+        d_body = _encode(decode_body(body, params))
+        return await self._decode_leg(request, ctx, decode, d_body, headers, prefix)
+
+    async def _prefill_with_retry(
+        self, ctx: RequestContext, body: bytes, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """Pull-mode P leg; nothing has reached D or the client, so retry is safe."""
+        tried: list[Backend] = []
+        last: errors.ProxyError | None = None
+        while True:
+            prefill = self._prefill.pick(ctx.tokens, exclude=tried)
+            if prefill is None:
+                raise last or errors.no_backend(self._prefill.describe_unavailable())
+            if last is not None:
+                ctx.retries += 1
+                self._metrics.retries.labels("prefill").inc()
+                logger.info(
+                    "request %s: retrying prefill on %s after: %s",
+                    ctx.request_id,
+                    prefill.url,
+                    last.message,
+                )
+            ctx.prefill = prefill
+            try:
+                return await self._prefill_leg(ctx, prefill, body, headers)
+            except errors.ProxyError as exc:
+                if not exc.retryable or len(tried) >= self._config.prefill_retries:
+                    raise
+                tried.append(prefill)
+                last = exc
+
+    async def _push_flow(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        decode: Backend | None,
+        prefix: Hashable | None,
+    ) -> web.StreamResponse:
+        prefill, identity = await self._pick_push_prefill(ctx)
+        decode = decode or self._pick_decode(ctx)
+        rid = ctx.request_id
+        p_body = _encode(prefill_body(body, push_prefill_params(rid)))
+        d_body = _encode(decode_body(body, push_decode_params(identity, rid)))
+        # Both legs go out now: P pushes the KV while D is already waiting for it.
+        p_task = asyncio.ensure_future(self._prefill_leg(ctx, prefill, p_body, headers))
+        try:
+            return await self._decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+        finally:
+            if not p_task.done():
+                p_task.cancel()  # closes P's connection: the engine aborts
+            results: list[Any] = await asyncio.gather(p_task, return_exceptions=True)
+            if isinstance(results[0], errors.ProxyError) and ctx.outcome == "ok":
+                logger.warning(
+                    "request %s: prefill leg failed after decode answered: %s",
+                    rid,
+                    results[0].message,
+                )
+
+    async def _pick_push_prefill(self, ctx: RequestContext) -> tuple[Backend, PrefillIdentity]:
+        """A prefill engine whose identity is known; nothing is sent to D yet."""
+        tried: list[Backend] = []
+        last: errors.ProxyError | None = None
+        while True:
+            prefill = self._prefill.pick(ctx.tokens, exclude=tried)
+            if prefill is None:
+                raise last or errors.no_backend(self._prefill.describe_unavailable())
+            if last is not None:
+                ctx.retries += 1
+                self._metrics.retries.labels("prefill").inc()
+            ctx.prefill = prefill
+            try:
+                return prefill, await self._monitor.ensure_identity(prefill)
+            except ProbeError as exc:
+                last = errors.protocol_error("prefill", prefill, f"identity probe failed: {exc}")
+                if len(tried) >= self._config.prefill_retries:
+                    raise last from None
+                tried.append(prefill)
+
+    # -- legs ----------------------------------------------------------------
+
+    async def _prefill_leg(
+        self, ctx: RequestContext, prefill: Backend, body: bytes, headers: dict[str, str]
+    ) -> dict[str, Any]:
+        """Run one P leg to completion; its parsed JSON answer or ProxyError."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        timeout = self._config.prefill_timeout
+        prefill.acquire(ctx.tokens)
+        try:
+            async with asyncio.timeout(timeout):
+                url = prefill.url + ctx.endpoint
+                async with self._session.post(url, data=body, headers=headers) as resp:
+                    data = await resp.read()
+                    status = resp.status
+                    ctype = resp.headers.get("Content-Type")
+        except aiohttp.ClientError as exc:
+            self._monitor.check_soon(prefill, reprobe=True)
+            raise errors.upstream_unreachable("prefill", prefill, exc) from exc
+        except TimeoutError:
+            self._monitor.check_soon(prefill, reprobe=True)
+            raise errors.upstream_timeout("prefill", prefill, timeout, "its answer") from None
+        finally:
+            prefill.release(ctx.tokens)
+            self._metrics.prefill_leg.observe(loop.time() - started)
+        if status >= 400:
+            if status >= 500:
+                self._monitor.check_soon(prefill, reprobe=True)
+            raise errors.upstream_status("prefill", prefill, status, data, ctype)
+        try:
+            answer = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            raise errors.protocol_error("prefill", prefill, "answer is not valid JSON") from None
+        if not isinstance(answer, dict):
+            raise errors.protocol_error("prefill", prefill, "answer is not a JSON object")
+        return answer
+
+    async def _decode_leg(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        decode: Backend | None,
+        body: bytes,
+        headers: dict[str, str],
+        prefix: Hashable | None,
+        guard: asyncio.Future[Any] | None = None,
+    ) -> web.StreamResponse:
+        """Run the D leg and relay it; ``guard`` is a concurrent push P leg."""
+        decode = decode or self._pick_decode(ctx)
+        ctx.decode = decode
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        decode.acquire(ctx.tokens)
+        opened: OpenedDecode | None = None
+        try:
+            if guard is None:
+                opened = await open_decode(
+                    self._session, ctx, decode, body, headers, self._config.decode_timeout
+                )
+            else:
+                opened = await open_decode_guarded(
+                    self._session, ctx, decode, body, headers, self._config.decode_timeout, guard
+                )
+            if prefix is not None and decode.prefixes is not None:
+                decode.prefixes.touch(prefix)
+            if not opened.sse:
+                ctx.ttft = loop.time() - ctx.started
+                return complete_response(ctx, opened)
+            out, error = await relay_stream(
+                request, ctx, decode, opened, self._config.stream_idle_timeout
+            )
+            if error is not None:
+                ctx.outcome, ctx.error = "stream_error", error.message
+                self._monitor.check_soon(decode)
+            return out
+        except errors.ProxyError as exc:
+            # (A push P-leg error also ends up here; D is not at fault then.)
+            if exc.backend is decode and exc.outcome in ("upstream_unreachable", "timeout"):
+                self._monitor.check_soon(decode)
+            raise
+        finally:
+            decode.release(ctx.tokens)
+            self._metrics.decode_leg.observe(loop.time() - started)
+            if opened is not None:
+                # After a clean EOF the connection is already back in the pool
+                # and this is a no-op; otherwise it drops the connection, which
+                # makes the engine abort the request.
+                opened.resp.close()

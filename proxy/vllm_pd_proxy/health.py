@@ -1,0 +1,254 @@
+"""Backend health probing and push-mode prefill identity discovery.
+
+Lifecycle: the app's cleanup context creates one :class:`HealthMonitor` with
+the shared ClientSession and starts :meth:`HealthMonitor.run`, a background
+task that every ``--health-interval`` seconds sends ``GET /health`` to every
+backend and, in push mode, re-probes each healthy prefill engine's identity
+(an engine restart changes its ``remote_engine_id``). The request path calls
+:meth:`check_soon` after a failed leg (so a dead engine leaves rotation within
+milliseconds instead of at the next round) and :meth:`ensure_identity` when a
+push-mode prefill engine has not been probed yet. The cleanup context cancels
+everything on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Coroutine, Iterable
+from typing import Any
+
+import aiohttp
+
+from .backends import Backend, Pool, PrefillIdentity
+from .config import ProxyConfig
+from .metrics import Metrics
+
+logger = logging.getLogger("vllm_pd_proxy.health")
+
+IDENTITY_KEYS = ("remote_engine_id", "remote_host", "remote_port")
+
+
+class ProbeError(Exception):
+    """The identity probe of a prefill engine failed; the message says why."""
+
+
+class HealthMonitor:
+    """Owns health state transitions and identity probes of all backends."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        pools: Iterable[Pool],
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._pools = list(pools)
+        self._session = session
+        self._metrics = metrics
+        self._push = config.transfer_mode == "push"
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending_checks: set[Backend] = set()
+        self._probing: dict[Backend, asyncio.Task[PrefillIdentity]] = {}
+        self._refresh: asyncio.Task[None] | None = None
+
+    @property
+    def backends(self) -> list[Backend]:
+        return [b for pool in self._pools for b in pool.backends]
+
+    # -- background loop ---------------------------------------------------
+
+    async def run(self) -> None:
+        """Probe forever; the first round starts immediately."""
+        while True:
+            try:
+                await self.round(with_identity=self._push)
+            except Exception:  # keep the loop alive whatever one round hits
+                logger.exception("health round failed")
+            await asyncio.sleep(self._config.health_interval)
+
+    async def round(self, with_identity: bool) -> None:
+        """Check every backend once (and re-probe push identities)."""
+        await asyncio.gather(*(self._check_and_probe(b, with_identity) for b in self.backends))
+
+    async def refresh(self) -> None:
+        """A health round for GET /health; concurrent callers share one round."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self.round(with_identity=False))
+        await asyncio.shield(self._refresh)
+
+    async def _check_and_probe(self, backend: Backend, with_identity: bool) -> None:
+        await self.check(backend)
+        if with_identity and backend.role == "prefill" and backend.state == "healthy":
+            with contextlib.suppress(ProbeError):
+                await self._probe_coalesced(backend)
+
+    async def check(self, backend: Backend) -> None:
+        """GET {backend}/health and record the result."""
+        before = backend.state
+        try:
+            async with asyncio.timeout(self._config.health_timeout):
+                async with self._session.get(backend.url + "/health") as resp:
+                    await resp.read()
+                    status = resp.status
+        except TimeoutError:
+            backend.mark(
+                "unhealthy", f"health probe timed out after {self._config.health_timeout:g} s"
+            )
+        except aiohttp.ClientError as exc:
+            backend.mark("unhealthy", f"health probe failed: {type(exc).__name__}: {exc}")
+        else:
+            if status == 200:
+                backend.mark("healthy")
+            else:
+                backend.mark("unhealthy", f"GET /health answered HTTP {status}")
+        if backend.state != before:
+            log = logger.info if backend.state == "healthy" else logger.warning
+            log(
+                "%s backend %s: %s -> %s %s",
+                backend.role,
+                backend.url,
+                before,
+                backend.state,
+                backend.last_error or "",
+            )
+
+    def check_soon(self, backend: Backend, reprobe: bool = False) -> None:
+        """Schedule an out-of-band check (after a failed leg); deduplicated."""
+        if backend in self._pending_checks:
+            return
+        self._pending_checks.add(backend)
+
+        async def _run() -> None:
+            try:
+                await self._check_and_probe(backend, reprobe and self._push)
+            finally:
+                self._pending_checks.discard(backend)
+
+        self.spawn(_run())
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, cancelled by :meth:`close`."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        tasks = [*self._tasks, *self._probing.values()]
+        if self._refresh is not None:
+            tasks.append(self._refresh)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- push-mode identity --------------------------------------------------
+
+    async def ensure_identity(self, backend: Backend) -> PrefillIdentity:
+        """The cached identity, or a fresh probe (raises ProbeError)."""
+        if backend.identity is not None:
+            return backend.identity
+        failed_at = backend.identity_error_at
+        if failed_at is not None and time.monotonic() - failed_at < self._config.health_interval:
+            # Probed and refused moments ago: do not re-probe on every request;
+            # the background round retries it.
+            raise ProbeError(backend.identity_error or "identity probe failed")
+        return await self._probe_coalesced(backend)
+
+    async def _probe_coalesced(self, backend: Backend) -> PrefillIdentity:
+        task = self._probing.get(backend)
+        if task is None or task.done():
+            task = asyncio.ensure_future(self._probe(backend))
+            # Mark the error retrieved even if every waiter was cancelled.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._probing[backend] = task
+        return await asyncio.shield(task)
+
+    async def _probe(self, backend: Backend) -> PrefillIdentity:
+        try:
+            identity = await self._probe_once(backend)
+        except ProbeError as exc:
+            # Keep the previous identity: a probe can fail under load while
+            # the engine is fine; a stale one is caught by the P-leg failure.
+            backend.identity_error = str(exc)
+            backend.identity_error_at = time.monotonic()
+            self._metrics.probes.labels("failure").inc()
+            logger.warning("identity probe of %s failed: %s", backend.url, exc)
+            raise
+        old = backend.identity
+        if old is not None and old.engine_id != identity.engine_id:
+            logger.info(
+                "prefill %s engine id changed %s -> %s (restart?)",
+                backend.url,
+                old.engine_id,
+                identity.engine_id,
+            )
+        backend.identity = identity
+        backend.identity_error = backend.identity_error_at = None
+        self._metrics.probes.labels("success").inc()
+        return identity
+
+    async def _get_json(self, method: str, url: str, body: Any = None) -> Any:
+        headers = {"X-Request-Id": "pd-probe-" + uuid.uuid4().hex}
+        try:
+            async with asyncio.timeout(self._config.health_timeout):
+                async with self._session.request(method, url, json=body, headers=headers) as r:
+                    data = await r.read()
+                    status = r.status
+        except TimeoutError:
+            raise ProbeError(f"{method} {url} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise ProbeError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from None
+        if status != 200:
+            text = data[:200].decode("utf-8", "replace")
+            raise ProbeError(f"{method} {url} answered HTTP {status}: {text}")
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise ProbeError(f"{method} {url} answered invalid JSON") from None
+
+    async def _probe_once(self, backend: Backend) -> PrefillIdentity:
+        models = await self._get_json("GET", backend.url + "/v1/models")
+        try:
+            model = models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise ProbeError(f"GET {backend.url}/v1/models lists no model") from None
+        probe = {
+            "model": model,
+            "prompt": [1],
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True, "pd_ext_probe": True},
+        }
+        answer = await self._get_json("POST", backend.url + "/v1/completions", probe)
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            raise ProbeError("probe answer has no kv_transfer_params")
+        missing = [k for k in IDENTITY_KEYS if params.get(k) is None]
+        if missing:
+            raise ProbeError(f"probe kv_transfer_params lack {missing}")
+        mode = params.get("transfer_mode")
+        if mode != "push":
+            # vLLM's in-tree NixlConnector answers the probe like a normal
+            # request (no transfer_mode) and a pull-configured vllm_pd_ext
+            # engine says "pull": neither accepts push legs, so refuse the
+            # engine here instead of failing every D leg later.
+            raise ProbeError(
+                f"probe answered transfer_mode={mode!r}, not 'push': the engine must run "
+                "the vllm_pd_ext connector with transfer_mode push for --transfer-mode push"
+            )
+        try:
+            return PrefillIdentity(
+                engine_id=str(params["remote_engine_id"]),
+                host=str(params["remote_host"]),
+                port=int(params["remote_port"]),
+                tp_size=int(params.get("tp_size") or 1),
+                transfer_mode=params.get("transfer_mode"),
+                probed_at=time.monotonic(),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ProbeError(f"probe kv_transfer_params malformed: {exc}") from None

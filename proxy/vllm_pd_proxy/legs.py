@@ -1,0 +1,81 @@
+"""Request bodies of the prefill (P) and decode (D) legs.
+
+Role: pure functions from the client's parsed request body to each leg's body,
+implementing the ``kv_transfer_params`` handshake shared by vLLM's in-tree
+NixlConnector and vllm_pd_ext's connector (same wire format):
+
+* pull: P gets a 1-token, non-streaming copy with ``do_remote_decode``; P's
+  answer carries ``kv_transfer_params`` that D gets verbatim with the
+  original body, and D reads the KV from P.
+* push: both legs are sent at once; D learns P's identity from the proxy's
+  probe cache and P pushes the KV to D, matched by ``pd_request_id``.
+
+No I/O and no state: :mod:`vllm_pd_proxy.forward` calls these once per request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import PrefillIdentity
+
+# Sampling fields P must not see: it only prefills and emits one token.
+_P_LEG_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg: the client body cut down to a one-token, non-streaming prefill."""
+    leg = {k: v for k, v in body.items() if k not in _P_LEG_DROPPED}
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    leg["kv_transfer_params"] = kv_params
+    return leg
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The D leg: the client body plus ``kv_params`` (None: local prefill)."""
+    leg = dict(body)
+    if kv_params is None:
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = kv_params
+    return leg
+
+
+def pull_prefill_params() -> dict[str, Any]:
+    """P-leg params in pull mode; identical to vLLM's toy proxy."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+def push_prefill_params(request_id: str) -> dict[str, Any]:
+    """P-leg params in push mode: P pushes the KV for ``pd_request_id``."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_mode": "push",
+        "pd_request_id": request_id,
+    }
+
+
+def push_decode_params(identity: PrefillIdentity, request_id: str) -> dict[str, Any]:
+    """D-leg params in push mode: where the KV comes from and under which id."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": identity.engine_id,
+        "remote_host": identity.host,
+        "remote_port": identity.port,
+        "tp_size": identity.tp_size,
+        "remote_request_id": request_id,
+        "pd_request_id": request_id,
+        "transfer_mode": "push",
+    }

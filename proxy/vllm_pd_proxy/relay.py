@@ -1,0 +1,189 @@
+"""The decode leg: open it, check it, then relay its answer to the client.
+
+Role: :func:`open_decode` sends the D leg and waits until its status is known
+and the first complete piece of the answer has arrived (the whole body when
+not streaming), all under ``--decode-timeout``; nothing has reached the
+client yet, so any failure can still become a proper HTTP error status.
+:func:`relay_stream` then sends the headers and relays SSE events in order.
+
+SSE relaying is event-aligned: bytes are forwarded up to the last complete
+event (``\\n\\n``) and a partial event is held back, so when the backend dies
+mid-stream the proxy can end the stream with a well-formed error event
+(``data: {"error": ...}`` then ``data: [DONE]``, as vLLM itself does) instead of
+a truncated line. Called once per request by :mod:`vllm_pd_proxy.forward`,
+which owns the upstream response and closes it (aborting the engine request)
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from . import errors
+from .backends import Backend
+from .context import RequestContext
+
+SSE_CONTENT_TYPE = "text/event-stream"
+
+
+@dataclass(slots=True)
+class OpenedDecode:
+    """A D leg whose status is 2xx and whose first bytes are in hand."""
+
+    resp: aiohttp.ClientResponse
+    first: bytes  # first complete SSE events, or the whole body when not SSE
+    pending: bytes  # a partial SSE event held back
+    eof: bool
+    sse: bool
+
+
+def split_events(buf: bytes) -> tuple[bytes, bytes]:
+    """Split ``buf`` into (complete SSE events, trailing partial event)."""
+    if buf.endswith(b"\n\n"):  # the common case: one or more whole events
+        return buf, b""
+    cut = buf.rfind(b"\n\n")
+    cut = cut + 2 if cut >= 0 else 0
+    crlf = buf.rfind(b"\r\n\r\n")
+    if crlf >= 0:
+        cut = max(cut, crlf + 4)
+    return buf[:cut], buf[cut:]
+
+
+async def read_events(resp: aiohttp.ClientResponse, pending: bytes) -> tuple[bytes, bytes, bool]:
+    """Read until at least one complete event: (events, partial rest, eof)."""
+    while True:
+        chunk = await resp.content.readany()
+        if not chunk:
+            # Clean end of the body: flush what is left as it is.
+            return pending, b"", True
+        events, pending = split_events(pending + chunk if pending else chunk)
+        if events:
+            return events, pending, False
+
+
+async def open_decode(
+    session: aiohttp.ClientSession,
+    ctx: RequestContext,
+    backend: Backend,
+    body: bytes,
+    headers: dict[str, str],
+    timeout: float,
+) -> OpenedDecode:
+    """Send the D leg; return once the first bytes of a 2xx answer arrived.
+
+    Raises ProxyError: the backend's own status and body for an error answer,
+    502 if it cannot be reached, 504 after ``timeout`` seconds.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await session.post(backend.url + ctx.endpoint, data=body, headers=headers)
+            try:
+                if resp.status >= 400:
+                    data = await resp.read()
+                    ctype = resp.headers.get("Content-Type")
+                    raise errors.upstream_status("decode", backend, resp.status, data, ctype)
+                if ctx.stream and resp.content_type == SSE_CONTENT_TYPE:
+                    first, pending, eof = await read_events(resp, b"")
+                    return OpenedDecode(resp, first, pending, eof, True)
+                return OpenedDecode(resp, await resp.read(), b"", True, False)
+            except BaseException:
+                resp.close()
+                raise
+    except aiohttp.ClientError as exc:
+        raise errors.upstream_unreachable("decode", backend, exc) from exc
+    except TimeoutError:
+        raise errors.upstream_timeout(
+            "decode", backend, timeout, "the first response bytes"
+        ) from None
+
+
+async def open_decode_guarded(
+    session: aiohttp.ClientSession,
+    ctx: RequestContext,
+    backend: Backend,
+    body: bytes,
+    headers: dict[str, str],
+    timeout: float,
+    guard: asyncio.Future[Any],
+) -> OpenedDecode:
+    """:func:`open_decode`, abandoned if ``guard`` (the push P leg) fails first.
+
+    Raises the guard's error in that case: the client gets P's failure and the
+    D leg is cancelled, closing its connection so D frees what it reserved.
+    """
+    task = asyncio.ensure_future(open_decode(session, ctx, backend, body, headers, timeout))
+    try:
+        done, _ = await asyncio.wait((task, guard), return_when=asyncio.FIRST_COMPLETED)
+        if task not in done:
+            exc = guard.exception()
+            if exc is not None:
+                raise exc
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _client_headers(ctx: RequestContext, resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {
+        "Content-Type": resp.headers.get("Content-Type", "application/json"),
+        "X-Request-Id": ctx.request_id,
+    }
+
+
+def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response:
+    """A non-streaming answer: D's status, content type and body, verbatim."""
+    return web.Response(
+        status=opened.resp.status, body=opened.first, headers=_client_headers(ctx, opened.resp)
+    )
+
+
+async def relay_stream(
+    request: web.Request,
+    ctx: RequestContext,
+    backend: Backend,
+    opened: OpenedDecode,
+    idle_timeout: float,
+) -> tuple[web.StreamResponse, errors.ProxyError | None]:
+    """Relay an opened SSE answer; returns the response and a mid-stream error.
+
+    A client disconnect shows up as CancelledError (handler cancellation) or,
+    while writing, ConnectionResetError, recorded as outcome "cancelled".
+    """
+    resp = opened.resp
+    headers = _client_headers(ctx, resp)
+    headers["Cache-Control"] = "no-cache"
+    out = web.StreamResponse(status=resp.status, headers=headers)
+    error: errors.ProxyError | None = None
+    try:
+        await out.prepare(request)
+        if opened.first:
+            await out.write(opened.first)
+        ctx.ttft = asyncio.get_running_loop().time() - ctx.started
+        pending, eof = opened.pending, opened.eof
+        while not eof:
+            try:
+                async with asyncio.timeout(idle_timeout):
+                    events, pending, eof = await read_events(resp, pending)
+            except aiohttp.ClientError as exc:
+                error = errors.upstream_unreachable("decode", backend, exc)
+                break
+            except TimeoutError:
+                error = errors.upstream_timeout("decode", backend, idle_timeout, "the next chunk")
+                break
+            if events:
+                await out.write(events)
+        if error is not None:
+            await out.write(error.sse_event())
+        await out.write_eof()
+    except ConnectionResetError:
+        # The client went away while we were writing; the caller closes the
+        # upstream response, which aborts the request on the engine.
+        ctx.status, ctx.outcome = 499, "cancelled"
+    return out, error

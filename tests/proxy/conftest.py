@@ -1,0 +1,55 @@
+"""Fixtures for the proxy tests: fake vLLM engines and a proxy in front of them.
+
+Every server binds 127.0.0.1 on an ephemeral port (aiohttp's TestServer) and
+is closed at the end of its test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pdproxy_helpers import FakeEngine
+from vllm_pd_proxy.app import create_app
+from vllm_pd_proxy.config import ProxyConfig
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[..., Awaitable[FakeEngine]]]:
+    """Factory: ``await engines("prefill", engine_id=...)`` starts a fake engine."""
+    started: list[FakeEngine] = []
+
+    async def _make(role: str, **kwargs: Any) -> FakeEngine:
+        engine = await FakeEngine(role, **kwargs).start()
+        started.append(engine)
+        return engine
+
+    yield _make
+    for engine in started:
+        await engine.close()
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]]]:
+    """Factory: ``await proxy([p...], [d...], **config)`` starts the proxy."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def _make(
+        prefill: list[FakeEngine], decode: list[FakeEngine], **kwargs: Any
+    ) -> TestClient[Any, Any]:
+        kwargs.setdefault("health_interval", 60.0)
+        config = ProxyConfig(
+            prefill=tuple(e.url for e in prefill),
+            decode=tuple(e.url for e in decode),
+            **kwargs,
+        )
+        client: TestClient[Any, Any] = TestClient(TestServer(create_app(config), host="127.0.0.1"))
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield _make
+    for client in clients:
+        await client.close()

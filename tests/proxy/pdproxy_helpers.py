@@ -1,0 +1,218 @@
+"""Helpers for the proxy tests: a fake vLLM engine and SSE utilities.
+
+Every fake binds 127.0.0.1 on an ephemeral port (aiohttp's TestServer).
+Imported by conftest.py and the tests (unique module name on purpose).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+
+
+@dataclass
+class Seen:
+    """One request a fake engine received."""
+
+    path: str
+    body: dict[str, Any]
+    headers: CIMultiDict[str]
+    at: float
+
+
+Override = Callable[["FakeEngine", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class FakeEngine:
+    """A stand-in for a vLLM OpenAI server, prefill or decode flavoured.
+
+    Knobs: ``health_status``, ``fail_status`` (answer completions with it),
+    ``delay`` (before answering), ``chunks``/``chunk_delay`` (decode stream),
+    ``kv_params`` (P answer's kv_transfer_params; None omits them),
+    ``engine_id``/``probe_transfer_mode`` (identity probe answer; None omits
+    transfer_mode), ``override`` (a custom handler).
+    """
+
+    role: str
+    engine_id: str = "engine-a"
+    probe_transfer_mode: str | None = "push"
+    model: str = "fake-model"
+    health_status: int = 200
+    fail_status: int | None = None
+    delay: float = 0.0
+    chunks: list[str] = field(default_factory=lambda: ["Hello", ",", " world"])
+    chunk_delay: float = 0.0
+    kv_params: dict[str, Any] | None = None
+    override: Override | None = None
+    seen: list[Seen] = field(default_factory=list)
+    in_flight: int = 0
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+    server: TestServer | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_params is None and self.role == "prefill":
+            self.kv_params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_block_ids": [1, 2, 3],
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+            }
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+    def legs(self) -> list[Seen]:
+        """Completion requests received, identity probes excluded."""
+        return [
+            s
+            for s in self.seen
+            if s.path.startswith("/v1/")
+            and s.path != "/v1/models"
+            and not (s.body.get("kv_transfer_params") or {}).get("pd_ext_probe")
+        ]
+
+    def probes(self) -> list[Seen]:
+        return [
+            s for s in self.seen if (s.body.get("kv_transfer_params") or {}).get("pd_ext_probe")
+        ]
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        self.server = TestServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return self
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.health_status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(Seen(request.path, body, CIMultiDict(request.headers), time.monotonic()))
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("pd_ext_probe"):
+            identity = {
+                "remote_engine_id": self.engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 2,
+            }
+            if self.probe_transfer_mode is not None:
+                identity["transfer_mode"] = self.probe_transfer_mode
+            answer = {"id": "probe", "choices": [{"index": 0, "text": "x"}]}
+            return web.json_response({**answer, "kv_transfer_params": identity})
+        self.in_flight += 1
+        self.received.set()
+        try:
+            if self.override is not None:
+                return await self.override(self, request, body)
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.fail_status is not None:
+                err = {"error": {"message": f"fake {self.role} failure", "code": self.fail_status}}
+                return web.json_response(err, status=self.fail_status)
+            if self.role == "prefill":
+                answer = completion(request.path, body, "x")
+                if self.kv_params is not None:
+                    answer["kv_transfer_params"] = self.kv_params
+                return web.json_response(answer)
+            if body.get("stream"):
+                return await self.stream(request, body)
+            return web.json_response(completion(request.path, body, "".join(self.chunks)))
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for text in self.chunks:
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            await out.write(sse(chunk(request.path, text)))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+def completion(path: str, body: dict[str, Any], text: str) -> dict[str, Any]:
+    if path.endswith("/chat/completions"):
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": body.get("model"),
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+    }
+
+
+def chunk(path: str, text: str) -> dict[str, Any]:
+    if path.endswith("/chat/completions"):
+        return {
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": text}}],
+        }
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text}]}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    """The data payloads of an SSE body, JSON-decoded except [DONE]."""
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``predicate`` until true; fail the test (not hang) after ``timeout``."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)

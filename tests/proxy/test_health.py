@@ -1,0 +1,76 @@
+"""GET /health, GET /metrics, background health rounds."""
+
+from __future__ import annotations
+
+from pdproxy_helpers import wait_for
+
+
+async def test_health_reports_each_backend(engines, proxy):
+    p = await engines("prefill")
+    d1, d2 = await engines("decode"), await engines("decode")
+    client = await proxy([p], [d1, d2])
+    resp = await client.get("/health")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["status"] == "ok"
+    assert [b["url"] for b in body["prefill"]] == [p.url]
+    assert [b["url"] for b in body["decode"]] == [d1.url, d2.url]
+    assert {b["state"] for b in body["prefill"] + body["decode"]} == {"healthy"}
+
+    d1.health_status = 503
+    body = await (await client.get("/health")).json()
+    assert body["status"] == "ok"  # d2 still serves
+    assert body["decode"][0]["state"] == "unhealthy"
+    assert "503" in body["decode"][0]["last_error"]
+
+    d2.health_status = 500
+    resp = await client.get("/health")
+    assert resp.status == 503
+    assert (await resp.json())["status"] == "unavailable"
+
+    d1.health_status = d2.health_status = 200
+    assert (await client.get("/health")).status == 200
+
+
+async def test_health_503_without_prefill(engines, proxy):
+    p, d = await engines("prefill"), await engines("decode")
+    client = await proxy([p], [d])
+    await p.close()
+    resp = await client.get("/health")
+    assert resp.status == 503
+    state = (await resp.json())["prefill"][0]
+    assert state["state"] == "unhealthy" and "health probe failed" in state["last_error"]
+
+
+async def test_background_round_marks_and_recovers(engines, proxy):
+    p, d = await engines("prefill"), await engines("decode")
+    client = await proxy([p], [d], health_interval=0.05)
+    app_pools = client.server.app
+    from vllm_pd_proxy.app import DECODE
+
+    backend = app_pools[DECODE].backends[0]
+    await wait_for(lambda: backend.state == "healthy")
+    d.health_status = 503
+    await wait_for(lambda: backend.state == "unhealthy")
+    d.health_status = 200
+    await wait_for(lambda: backend.state == "healthy")
+
+
+async def test_metrics_exposition(engines, proxy):
+    p, d = await engines("prefill"), await engines("decode")
+    client = await proxy([p], [d])
+    assert (
+        await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    ).status == 200
+    assert (await client.post("/v1/completions", data=b"{")).status == 400
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    text = await resp.text()
+    assert 'pd_proxy_requests_total{mode="pull",outcome="ok"} 1.0' in text
+    assert 'pd_proxy_requests_total{mode="none",outcome="bad_request"} 1.0' in text
+    assert f'pd_proxy_backend_in_flight{{backend="{d.url}",role="decode"}} 0.0' in text
+    assert f'pd_proxy_backend_legs_total{{backend="{p.url}",role="prefill"}} 1.0' in text
+    for name in ("prefill_leg", "decode_leg", "ttft"):
+        assert f"pd_proxy_{name}_seconds_count 1.0" in text
+    assert "pd_proxy_e2e_seconds_count 2.0" in text  # the 400 counts too

@@ -1,0 +1,168 @@
+"""Push mode: identity probes, leg shapes, concurrency, P failure handling."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from pdproxy_helpers import completion, parse_sse, wait_for
+
+
+async def test_push_leg_shapes_and_probe(engines, proxy):
+    p = await engines("prefill", engine_id="engine-a", model="p-model")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push")
+    body = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "min_tokens": 2}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 200
+    assert parse_sse(await resp.read())[-1] == "[DONE]"
+
+    probe = p.probes()[0]
+    assert probe.body == {
+        "model": "p-model",
+        "prompt": [1],
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "pd_ext_probe": True},
+    }
+    (p_leg,) = p.legs()
+    rid = p_leg.headers["X-Request-Id"]
+    assert p_leg.body == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_mode": "push",
+            "pd_request_id": rid,
+        },
+    }
+    (d_leg,) = d.legs()
+    assert d_leg.headers["X-Request-Id"] == rid
+    assert d_leg.body == {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "engine-a",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 2,
+            "remote_request_id": rid,
+            "pd_request_id": rid,
+            "transfer_mode": "push",
+        },
+    }
+
+
+async def test_push_legs_are_in_flight_together(engines, proxy):
+    p, d = await engines("prefill"), await engines("decode")
+    overlap = {}
+
+    async def prefill_waits_for_decode(engine, request, body):
+        # Answer only once D has its leg: sequential legs would deadlock here
+        # and the 2 s timeout turns that into a test failure.
+        try:
+            await asyncio.wait_for(d.received.wait(), 2)
+        except TimeoutError:
+            return web.json_response({"error": "decode leg never arrived"}, status=500)
+        overlap["d_in_flight_while_p"] = d.in_flight
+        await asyncio.sleep(0.1)  # "prefill compute", so D can observe P in flight
+        return web.json_response(completion(request.path, body, "x"))
+
+    async def decode_waits_for_prefill(engine, request, body):
+        await asyncio.wait_for(p.received.wait(), 2)
+        overlap["p_in_flight_while_d"] = p.in_flight
+        await asyncio.sleep(0.05)  # "waiting for the pushed KV"
+        return await engine.stream(request, body)
+
+    p.override, d.override = prefill_waits_for_decode, decode_waits_for_prefill
+    client = await proxy([p], [d], transfer_mode="push")
+    resp = await asyncio.wait_for(
+        client.post("/v1/completions", json={"prompt": "a", "stream": True}), 5
+    )
+    assert resp.status == 200
+    assert parse_sse(await resp.read())[-1] == "[DONE]"
+    assert overlap == {"d_in_flight_while_p": 1, "p_in_flight_while_d": 1}
+
+
+async def test_push_prefill_failure_cancels_decode(engines, proxy):
+    p, d = await engines("prefill"), await engines("decode")
+
+    async def prefill_fails(engine, request, body):
+        await asyncio.wait_for(d.received.wait(), 2)
+        return web.json_response({"error": {"message": "P exploded"}}, status=500)
+
+    async def decode_waits(engine, request, body):
+        await asyncio.sleep(10)  # waits for KV that never comes
+        return web.Response()
+
+    p.override, d.override = prefill_fails, decode_waits
+    client = await proxy([p], [d], transfer_mode="push")
+    resp = await asyncio.wait_for(
+        client.post("/v1/completions", json={"prompt": "a", "stream": True}), 5
+    )
+    assert resp.status == 500
+    assert (await resp.json())["error"]["message"] == "P exploded"
+    await wait_for(lambda: d.cancelled.is_set())
+
+
+async def test_push_identity_refreshed_after_restart(engines, proxy):
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push", health_interval=0.1)
+
+    async def engine_id_of_next_d_leg():
+        before = len(d.legs())
+        resp = await client.post("/v1/completions", json={"prompt": "a"})
+        assert resp.status == 200
+        assert len(d.legs()) == before + 1
+        return d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"]
+
+    assert await engine_id_of_next_d_leg() == "engine-a"
+    p.engine_id = "engine-b"  # the engine restarted with a new identity
+    probes = len(p.probes())
+    await wait_for(lambda: len(p.probes()) >= probes + 2)  # background rounds re-probe
+    assert await engine_id_of_next_d_leg() == "engine-b"
+    health = await (await client.get("/health")).json()
+    assert health["prefill"][0]["identity"]["remote_engine_id"] == "engine-b"
+
+
+async def test_push_reprobe_after_prefill_failure(engines, proxy):
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push", health_interval=60)
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
+    probes = len(p.probes())
+
+    p.engine_id, p.fail_status = "engine-b", 503  # restarted, first leg fails
+    d.delay = 1.0  # D waits for a KV push that never comes
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert resp.status == 503
+    await wait_for(lambda: d.cancelled.is_set())
+    await wait_for(lambda: len(p.probes()) > probes)  # not waiting 60 s for a round
+    p.fail_status, d.delay = None, 0.0
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert resp.status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+
+
+@pytest.mark.parametrize("reported", [None, "pull"])
+async def test_push_rejects_engine_without_push_support(engines, proxy, reported):
+    # vLLM's in-tree connector answers the probe like a normal request (no
+    # transfer_mode); a pull-configured vllm_pd_ext engine says "pull". Push
+    # mode must refuse both rather than send D legs they cannot serve.
+    p = await engines("prefill", probe_transfer_mode=reported)
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push")
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert resp.status == 502
+    assert "transfer_mode" in (await resp.json())["error"]["message"]
+    assert d.legs() == [] and p.legs() == []
+    resp = await client.get("/health")
+    assert resp.status == 503
+    assert "transfer_mode" in (await resp.json())["prefill"][0]["identity_error"]

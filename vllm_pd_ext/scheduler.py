@@ -1,0 +1,254 @@
+"""The scheduler half of PDConnector (runs in the EngineCore process).
+
+As P (producer): on ``request_finished`` of a ``do_remote_decode`` prefill it
+grants a lease on the request's blocks and returns vLLM-compatible
+``kv_transfer_params``; the side channel serves handshakes and lease
+messages; every step ``build_connector_meta`` sweeps the lease table and
+hands released and expired ids to the workers, which echo them in
+``finished_sending`` so vLLM frees the blocks exactly once.
+
+As D (consumer): a request arriving with ``do_remote_prefill`` is decoded
+into ``KVTransferParams`` once (``on_new_request``), heartbeats to P start at
+once, ``get_num_new_matched_tokens`` asks vLLM to load the prompt tokens D
+does not hold asynchronously, and ``update_state_after_alloc`` pairs D's
+fresh blocks with P's blocks and queues a ``RecvSpec`` for the workers.
+Heartbeats stop when the load is reported finished (or failed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_pd_ext import compat
+from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.heartbeats import HeartbeatSender
+from vllm_pd_ext.leases import LeaseTable
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, RecvSpec
+from vllm_pd_ext.protocol import KVTransferParams, ParamsError, decode_params
+from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.stats import PDStats
+
+logger = get_logger(__name__)
+
+
+class PDScheduler:
+    def __init__(self, vllm_config: Any, cfg: PDConfig) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.engine_id = compat.engine_id(vllm_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.host = cfg.side_channel_host
+        self.port = compat.side_channel_port(vllm_config, cfg.side_channel_port)
+        self.compat = compat.compat_info(vllm_config, cfg.transfer_mode)
+        self.leases = LeaseService(LeaseTable(cfg.lease_duration, time.monotonic))
+        self.heartbeats = HeartbeatSender(
+            self.engine_id, cfg.effective_heartbeat_interval, cfg.handshake_timeout)
+        self._server: SideChannelServer | None = None
+        self._stats = PDStats()
+        self._reported_heartbeats = 0
+        self._reported_late = 0
+        # D side, by D request id.
+        self._params: dict[str, KVTransferParams] = {}
+        self._bad_params: dict[str, str] = {}
+        self._processed: set[str] = set()
+        self._awaiting: set[str] = set()
+        self._pending_recv: list[RecvSpec] = []
+        self._pending_fail: dict[str, str] = {}
+
+    # ---------------------------------------------------------------- startup
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        agents = {}
+        for rank, meta in metadata.items():
+            if isinstance(meta, PDHandshakeMetadata):
+                agents[int(rank)] = meta.agent
+        self._server = SideChannelServer(
+            self.host, self.port, self.engine_id, self.compat, agents, self.leases)
+
+    # ---------------------------------------------------------------- D side
+    def on_new_request(self, request: Any) -> None:
+        rid = request.request_id
+        try:
+            params = decode_params(request.kv_transfer_params)
+        except ParamsError as exc:
+            if isinstance(request.kv_transfer_params, dict) and not request.kv_transfer_params.get(
+                    "do_remote_prefill"):
+                # Malformed P-leg params are reported in request_finished.
+                return
+            self._bad_params[rid] = str(exc)
+            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, exc)
+            return
+        if params is None or not params.do_remote_prefill:
+            return
+        self._params[rid] = params
+        assert params.remote_host is not None and params.remote_port is not None
+        assert params.remote_request_id is not None
+        self.heartbeats.track(rid, (params.remote_host, params.remote_port),
+                              params.remote_request_id)
+        logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s",
+                    rid, params.remote_request_id, params.remote_engine_id)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid in self._processed:
+            return 0, False
+        if rid not in self._params and rid not in self._bad_params:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        rid = request.request_id
+        if rid in self._processed or (rid not in self._params and rid not in self._bad_params):
+            return
+        self._processed.add(rid)
+        if rid in self._bad_params:
+            if num_external_tokens > 0:
+                self._pending_fail[rid] = self._bad_params[rid]
+                self._awaiting.add(rid)
+            return
+        params = self._params[rid]
+        endpoint = (str(params.remote_host), int(params.remote_port or 0))
+        if num_external_tokens == 0:
+            # Everything was in D's prefix cache: P's blocks are not needed.
+            self.heartbeats.untrack(rid)
+            self.heartbeats.release(endpoint, str(params.remote_request_id), params.tp_size,
+                                    "prompt fully cached on D")
+            return
+        self._awaiting.add(rid)
+        num_local_hit = request.num_prompt_tokens - num_external_tokens
+        hit_blocks = num_local_hit // self.block_size
+        local = compat.new_block_ids(blocks)
+        remote = params.flat_remote_block_ids()
+        need = remote[hit_blocks:]
+        problem = None
+        if params.remote_num_tokens is not None and params.remote_num_tokens != (
+                request.num_prompt_tokens):
+            problem = (f"P prefilled {params.remote_num_tokens} tokens but D's prompt has "
+                       f"{request.num_prompt_tokens} (different prompt or tokenizer?)")
+        elif len(local) < len(need) or not need:
+            problem = (f"block layout mismatch: D allocated {len(local)} new blocks for "
+                       f"{len(need)} remote blocks")
+        if problem is not None:
+            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
+            self._pending_fail[rid] = problem
+            return
+        self._pending_recv.append(RecvSpec(
+            request_id=rid,
+            local_block_ids=local[:len(need)],
+            remote_block_ids=need,
+            remote_engine_id=str(params.remote_engine_id),
+            remote_request_id=str(params.remote_request_id),
+            remote_host=endpoint[0],
+            remote_port=endpoint[1],
+            remote_tp_size=params.tp_size,
+            num_tokens=num_external_tokens,
+        ))
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            self._awaiting.discard(rid)
+            self.heartbeats.untrack(rid)
+
+    # ---------------------------------------------------------------- both
+    def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
+        meta = PDConnectorMetadata(
+            reqs_to_recv=self._pending_recv, reqs_to_fail=self._pending_fail)
+        self._pending_recv, self._pending_fail = [], {}
+        meta.reqs_to_free = self._sweep()
+        if (not meta.reqs_to_free and not meta.reqs_to_recv and not meta.reqs_to_fail
+                and self.cfg.idle_step_wait_ms > 0
+                and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+                and not self._awaiting and len(self.leases.table)):
+            # vLLM steps an engine with no work as long as it holds connector
+            # blocks; without this wait P would spin a core per lease. A
+            # release wakes us at once; a new request waits at most this long.
+            with self.leases.wakeup:
+                self.leases.wakeup.wait(self.cfg.idle_step_wait_ms / 1e3)
+            meta.reqs_to_free = self._sweep()
+        return meta
+
+    def _sweep(self) -> list[str]:
+        with self.leases.lock:
+            if not len(self.leases.table):
+                return []
+            result = self.leases.table.sweep()
+        for rid in result.expired:
+            logger.warning("PDConnector: lease of request %s expired after %.1f s without "
+                           "release by D; freeing its blocks", rid, self.cfg.lease_duration)
+        self._stats.inc("num_lease_expiries", len(result.expired))
+        return result.released + result.expired
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self._params or rid in self._bad_params:
+            return self._finish_consumer(rid)
+        try:
+            params = decode_params(request.kv_transfer_params)
+        except ParamsError as exc:
+            logger.error("PDConnector: request %s: %s; blocks freed, no KV handed over",
+                         rid, exc)
+            return False, None
+        if params is None or not params.do_remote_decode:
+            return False, None
+        identity = dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_host=self.host,
+            remote_port=self.port,
+            tp_size=self.tp_size,
+            pp_size=1,
+            dcp_size=1,
+            transfer_mode=self.cfg.transfer_mode,
+        )
+        if params.pd_ext_probe:
+            return False, dict(identity, remote_block_ids=None, remote_request_id=None)
+        if not compat.is_finished_ok(request) or not block_ids:
+            logger.info("PDConnector: prefill %s ended with %s; no KV handed over", rid,
+                        request.status)
+            return False, None
+        with self.leases.lock:
+            expiry = self.leases.table.grant(rid, num_consumers=self.tp_size)
+        self._stats.inc("num_leases_granted")
+        logger.info("PDConnector: prefill %s done; lease on %d blocks for %.0f s",
+                    rid, len(block_ids), self.cfg.lease_duration)
+        return True, dict(
+            identity,
+            remote_block_ids=[list(block_ids)],
+            remote_request_id=rid,
+            remote_num_tokens=int(request.num_computed_tokens),
+            remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
+        )
+
+    def _finish_consumer(self, rid: str) -> tuple[bool, None]:
+        params = self._params.pop(rid, None)
+        self._bad_params.pop(rid, None)
+        if rid not in self._processed and params is not None:
+            # Ended before its load was scheduled (abort, rejection): free P now.
+            self.heartbeats.untrack(rid)
+            self.heartbeats.release((str(params.remote_host), int(params.remote_port or 0)),
+                                    str(params.remote_request_id), params.tp_size,
+                                    "request ended on D before its load")
+        self._processed.discard(rid)
+        # If a load is still in flight, vLLM keeps D's blocks until the worker
+        # reports the id; heartbeats continue until then.
+        return False, None
+
+    def get_kv_connector_stats(self) -> PDStats | None:
+        hb = self.leases.num_heartbeats
+        late = self.leases.num_late_messages
+        self._stats.inc("num_heartbeats", hb - self._reported_heartbeats)
+        self._stats.inc("num_late_messages", late - self._reported_late)
+        self._reported_heartbeats, self._reported_late = hb, late
+        return self._stats.take()
+
+    def shutdown(self) -> None:
+        self.heartbeats.close()
+        if self._server is not None:
+            self._server.close()

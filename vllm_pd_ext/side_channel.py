@@ -1,0 +1,213 @@
+"""The side channel: a pyzmq ROUTER in each engine's scheduler process.
+
+Role: serves this engine's handshake (NIXL agent metadata, KV layout,
+compatibility info) and the lease protocol (renew / acquire / release) to
+peers. One daemon thread, started when the workers' metadata is known
+(``set_xfer_handshake_metadata``), stopped by ``close``. Every message is
+decoded once by ``protocol.decode_request``; garbage gets an ``ErrorReply``
+naming the problem and the thread keeps serving.
+
+``SideChannelClient`` is the other end: request/reply with a timeout, one REQ
+socket per endpoint, owned by a single thread (zmq sockets are not
+thread-safe), rebuilt after a timeout because a REQ socket that missed its
+reply is unusable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.leases import LeaseTable
+from vllm_pd_ext.log import get_logger
+
+logger = get_logger(__name__)
+
+
+class SideChannelError(RuntimeError):
+    """A peer did not answer, or answered with an error."""
+
+
+class LeaseService:
+    """The P side of the lease protocol, shared by the server thread and the
+    scheduler step. All lease-table access goes through ``self.lock``;
+    ``self.wakeup`` is notified on every release so an idle step can stop
+    waiting early.
+    """
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.lock = threading.Lock()
+        self.wakeup = threading.Condition(self.lock)
+        self.num_heartbeats = 0
+        self.num_late_messages = 0
+
+    def renew(self, msg: proto.LeaseRenew) -> proto.LeaseStatus:
+        with self.lock:
+            remaining = [self.table.renew(rid, acquire=msg.acquire) for rid in msg.request_ids]
+            if not msg.acquire:
+                self.num_heartbeats += len(msg.request_ids)
+        for rid, left in zip(msg.request_ids, remaining, strict=True):
+            if left < 0:
+                self.num_late_messages += 1
+                logger.warning(
+                    "PDConnector: %s for request %s from engine %s refused: lease %s",
+                    "pin" if msg.acquire else "heartbeat", rid, msg.engine_id,
+                    "expired" if left == proto.LEASE_EXPIRED else "unknown",
+                )
+        return proto.LeaseStatus(remaining)
+
+    def release(self, msg: proto.LeaseRelease) -> proto.Ack:
+        with self.lock:
+            for rid in msg.request_ids:
+                if not self.table.release(rid, msg.tp_rank, msg.ok) and rid not in self.table:
+                    self.num_late_messages += 1
+                    logger.info(
+                        "PDConnector: release of request %s from engine %s after its lease "
+                        "ended (ok=%s %s)", rid, msg.engine_id, msg.ok, msg.reason,
+                    )
+            self.wakeup.notify_all()
+        return proto.Ack()
+
+
+class SideChannelServer:
+    """ROUTER socket + daemon thread answering handshakes and lease messages."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        engine_id: str,
+        compat: proto.CompatInfo,
+        agents: dict[int, proto.AgentInfo],
+        leases: LeaseService | None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.compat = compat
+        self.agents = agents
+        self.leases = leases
+        self.address = f"tcp://{host}:{port}"
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(self.address)
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise SideChannelError(
+                f"PDConnector: cannot bind side channel {self.address}: {exc} "
+                "(is side_channel_port used by another engine?)"
+            ) from exc
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
+        self._thread.start()
+        logger.info("PDConnector: side channel of engine %s listening on %s",
+                    engine_id, self.address)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 3:
+                # REQ clients send [identity, b"", payload]; anything else is noise.
+                logger.warning("PDConnector: side channel dropped a %d-frame message",
+                               len(frames))
+                continue
+            reply = self.handle(frames[-1])
+            try:
+                self._sock.send_multipart([frames[0], b"", proto.encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # peer gone
+                logger.debug("PDConnector: side channel reply dropped: %s", exc)
+
+    def handle(self, payload: bytes) -> proto.Reply:
+        try:
+            msg = proto.decode_request(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("PDConnector: malformed side-channel message (%d bytes): %s",
+                           len(payload), exc)
+            return proto.ErrorReply("malformed", f"malformed side-channel message: {exc}")
+        try:
+            return self._dispatch(msg)
+        except Exception as exc:  # never let one message kill the thread
+            logger.exception("PDConnector: side-channel handler failed")
+            return proto.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+
+    def _dispatch(self, msg: proto.Request) -> proto.Reply:
+        if isinstance(msg, proto.HandshakeRequest):
+            diff = self.compat.diff(msg.compat)
+            if diff:
+                logger.error("PDConnector: refused handshake from engine %s: incompatible %s",
+                             msg.engine_id, "; ".join(diff))
+                return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
+            agent = self.agents.get(msg.tp_rank)
+            if agent is None:
+                return proto.ErrorReply(
+                    "no_rank", f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
+            logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
+                        msg.tp_rank)
+            return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
+        if self.leases is None:
+            return proto.ErrorReply("not_producer", f"engine {self.engine_id} holds no leases")
+        if isinstance(msg, proto.LeaseRenew):
+            return self.leases.renew(msg)
+        return self.leases.release(msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+        self._ctx.term()
+
+
+class SideChannelClient:
+    """Blocking request/reply to peers' side channels; single-thread use."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_ms = int(timeout_s * 1000)
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+        self._clock = clock
+
+    def request(self, host: str, port: int, msg: proto.Request) -> proto.Reply:
+        addr = f"tcp://{host}:{port}"
+        sock = self._socks.get(addr)
+        if sock is None:
+            sock = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            sock.connect(addr)
+            self._socks[addr] = sock
+        try:
+            sock.send(proto.encode(msg))
+            data = sock.recv()
+        except zmq.ZMQError as exc:
+            sock.close()
+            del self._socks[addr]
+            raise SideChannelError(
+                f"side channel {addr} did not answer within {self.timeout_ms} ms ({exc})"
+            ) from exc
+        try:
+            reply = proto.decode_reply(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise SideChannelError(f"side channel {addr} sent a malformed reply: {exc}") from exc
+        if isinstance(reply, proto.ErrorReply):
+            raise SideChannelError(f"side channel {addr} refused: {reply.message}")
+        return reply
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()

@@ -1,0 +1,133 @@
+"""Connector stats: worker and scheduler counters -> logs and ``/metrics``.
+
+``PDStats`` travels worker -> scheduler -> front end inside vLLM's
+``KVConnectorOutput`` (a plain dict payload), is aggregated across workers and
+steps, logged by vLLM's periodic "KV Transfer metrics" line, and recorded by
+``PDPromMetrics`` as ``vllm:pd_ext_*`` Prometheus series.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_pd_ext.compat import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = (
+    "num_transfers",
+    "bytes_transferred",
+    "num_descriptors",
+    "num_blocks",
+    "num_failures",
+    "num_lease_expiries",
+    "num_heartbeats",
+    "num_leases_granted",
+    "num_late_messages",
+)
+SERIES = ("transfer_seconds", "wait_seconds")
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = {k: 0 for k in COUNTERS}
+    data.update({k: [] for k in SERIES})
+    return data
+
+
+@dataclass
+class PDStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        base = _empty()
+        base.update(self.data or {})
+        self.data = base
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def record_transfer(self, nbytes: int, ndescs: int, nblocks: int, seconds: float,
+                        wait_seconds: float) -> None:
+        self.data["num_transfers"] += 1
+        self.data["bytes_transferred"] += nbytes
+        self.data["num_descriptors"] += ndescs
+        self.data["num_blocks"] += nblocks
+        self.data["transfer_seconds"].append(seconds)
+        self.data["wait_seconds"].append(wait_seconds)
+
+    def inc(self, key: str, n: int = 1) -> None:
+        self.data[key] += n
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in COUNTERS:
+            self.data[k] += other.data.get(k, 0)
+        for k in SERIES:
+            self.data[k] = list(self.data[k]) + list(other.data.get(k, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data[k] for k in COUNTERS if self.data[k]}
+        secs = sorted(self.data["transfer_seconds"])
+        if secs:
+            out["transfer_p50_ms"] = round(secs[len(secs) // 2] * 1e3, 3)
+            out["transfer_max_ms"] = round(secs[-1] * 1e3, 3)
+            total = sum(secs)
+            if total > 0:
+                out["throughput_GBps"] = round(self.data["bytes_transferred"] / total / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in COUNTERS) and not any(self.data[k] for k in SERIES)
+
+    def take(self) -> PDStats | None:
+        """Hand the accumulated stats to vLLM and start afresh."""
+        if self.is_empty():
+            return None
+        out = PDStats(data=self.data)
+        self.reset()
+        return out
+
+
+_TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                 5, 10, 30, 60]
+
+
+class PDPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def counter(key: str, doc: str) -> Any:
+            metric = self._counter_cls(name=f"vllm:pd_ext_{key}", documentation=doc,
+                                       labelnames=labelnames)
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        def histogram(key: str, doc: str) -> Any:
+            metric = self._histogram_cls(name=f"vllm:pd_ext_{key}", documentation=doc,
+                                         buckets=_TIME_BUCKETS, labelnames=labelnames)
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.counters = {
+            "num_transfers": counter("kv_transfers", "KV reads completed (D)."),
+            "bytes_transferred": counter("kv_bytes", "KV bytes read from prefill engines (D)."),
+            "num_descriptors": counter("kv_descriptors", "Transfer descriptors posted (D)."),
+            "num_blocks": counter("kv_blocks", "KV blocks read (D)."),
+            "num_failures": counter("kv_failures", "Failed KV loads, any reason (D)."),
+            "num_lease_expiries": counter("lease_expiries", "Leases that expired (P)."),
+            "num_heartbeats": counter("heartbeats", "Lease heartbeats received (P)."),
+            "num_leases_granted": counter("leases_granted", "Leases granted (P)."),
+            "num_late_messages": counter("late_messages",
+                                         "Renew/release for unknown or expired leases (P)."),
+        }
+        self.histograms = {
+            "transfer_seconds": histogram("kv_transfer_seconds", "READ post to completion (D)."),
+            "wait_seconds": histogram("kv_wait_seconds",
+                                      "Worker receipt of a request to its KV being ready (D)."),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.counters.items():
+            value = transfer_stats_data.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for key, metric in self.histograms.items():
+            for value in transfer_stats_data.get(key, []):
+                metric[engine_idx].observe(value)

@@ -1,0 +1,190 @@
+"""Start and stop real vLLM OpenAI servers on this host (tests, demo, benchmarks).
+
+Each ``Engine`` is one ``python -m vllm.entrypoints.openai.api_server``
+process group bound to 127.0.0.1 with ``UCX_NET_DEVICES=lo``, started in its
+own session so ``stop`` ends exactly the processes it started (by PID). Logs
+go to a file; ``wait_ready`` polls ``/health`` and fails fast, quoting the
+log tail, if the process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SAFE_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Engine:
+    name: str
+    model: str
+    log_dir: Path
+    connector: str | None = "PDConnector"
+    role: str | None = "kv_producer"
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    failure_policy: str | None = None
+    port: int = 0
+    side_channel_port: int = 0
+    kv_bytes: int = 256 << 20
+    cpu_bind: str | None = None
+    max_model_len: int = 2048
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.side_channel_port = self.side_channel_port or free_port()
+        self.log_path = self.log_dir / f"{self.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len), "--enforce-eager",
+            "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(self.kv_bytes),
+            "--max-num-seqs", "32",
+        ]
+        if self.connector is not None:
+            kv: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.role}
+            if self.connector == "PDConnector":
+                extra = {"side_channel_host": "127.0.0.1",
+                         "side_channel_port": self.side_channel_port}
+                extra.update(self.extra_config)
+                kv["kv_connector_extra_config"] = extra
+            else:
+                kv["kv_buffer_device"] = "cpu"
+                if self.extra_config:
+                    kv["kv_connector_extra_config"] = self.extra_config
+            if self.failure_policy:
+                kv["kv_load_failure_policy"] = self.failure_policy
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        return cmd + self.extra_args
+
+    def start(self) -> Engine:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(SAFE_ENV)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        if self.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        env.update(self.env)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, cwd=str(REPO), start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 240.0) -> Engine:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode}:\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"engine {self.name} not ready in {timeout:.0f} s:\n"
+                           + self.log_tail())
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group we started (SIGKILL simulates a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        # Reap stragglers of our own process group (a defunct worker can linger).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    # ------------------------------------------------------------- HTTP
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0
+             ) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            try:
+                return exc.code, json.loads(text)
+            except json.JSONDecodeError:
+                return exc.code, {"error": text}
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples summed over labels except ``source``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+            if not m:
+                continue
+            name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+            src = re.search(r'source="([^"]+)"', labels)
+            key = f"{name}[{src.group(1)}]" if src else name
+            out[key] = out.get(key, 0.0) + float(value)
+        return out

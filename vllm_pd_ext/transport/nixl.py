@@ -1,0 +1,143 @@
+"""NIXL implementation of ``Transport`` (UCX by default; DRAM on CPU, VRAM on GPU).
+
+NIXL is imported lazily so that the scheduler process and the proxy never
+load it; a missing NIXL fails loudly with an install hint, never silently.
+We do not use NIXL's listener thread (it binds 0.0.0.0): metadata travels over
+our side channel. With the progress thread off (the CPU default), ``poll``
+drives progress.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_pd_ext.coalesce import Descriptor
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.transport.base import Transport, TransportError, XferState
+
+logger = get_logger(__name__)
+
+
+def _import_nixl() -> Any:
+    try:
+        from nixl import _api
+    except ImportError as exc:
+        raise ImportError(
+            "PDConnector needs NIXL on the worker: pip install 'vllm-pd-ext[nixl]' "
+            "(installs nixl==1.5.1; install torch or vLLM first so NIXL does not pull CUDA torch)"
+        ) from exc
+    return _api
+
+
+class NixlTransport(Transport):
+    def __init__(self, agent_name: str, backends: Sequence[str], progress_thread: bool) -> None:
+        api = _import_nixl()
+        self._api = api
+        cfg = api.nixl_agent_config(
+            enable_prog_thread=progress_thread,
+            enable_listen_thread=False,
+            backends=list(backends),
+            # The progress pump below calls into the agent from a second thread.
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.agent_name = agent_name
+        self._agent = api.nixl_agent(agent_name, cfg)
+        self._reg: list[Any] = []
+        self._mem_type = "DRAM"
+        self._device_id = 0
+        self._pump_stop = threading.Event()
+        self._pump: threading.Thread | None = None
+
+    def start_progress_pump(self, interval_s: float) -> None:
+        """Progress the agent every ``interval_s`` from a daemon thread.
+
+        Without NIXL's progress thread (which spins a core on CPU) a READ
+        target never answers UCX's connection wire-up, so the first READ
+        from each new peer hangs; steady-state READs need no target work.
+        Polling every millisecond costs well under 1% of a core.
+        """
+        if self._pump is not None:
+            return
+
+        def run() -> None:
+            while not self._pump_stop.wait(interval_s):
+                try:
+                    self._agent.get_new_notifs()
+                except Exception as exc:  # keep pumping; log once per burst
+                    logger.debug("NIXL progress pump: %s", exc)
+
+        self._pump = threading.Thread(target=run, name="pd-nixl-progress", daemon=True)
+        self._pump.start()
+
+    def register(self, regions: Sequence[tuple[int, int]], mem_type: str, device_id: int) -> None:
+        self._mem_type = mem_type
+        self._device_id = device_id
+        descs = [(addr, nbytes, device_id, "") for addr, nbytes in regions]
+        try:
+            self._reg.append(self._agent.register_memory(descs, mem_type))
+        except Exception as exc:
+            raise TransportError(f"NIXL could not register {len(descs)} KV regions: {exc}") from exc
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise TransportError(f"NIXL rejected peer metadata: {exc}") from exc
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_peer(self, peer: str) -> None:
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as exc:  # already gone: nothing to undo
+            logger.debug("NIXL remove_remote_agent(%s): %s", peer, exc)
+
+    def post_read(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int) -> Any:
+        local = [(loc, n, self._device_id) for loc, _, n in descs]
+        remote = [(rem, n, remote_device_id) for _, rem, n in descs]
+        try:
+            ldl = self._agent.get_xfer_descs(local, self._mem_type)
+            rdl = self._agent.get_xfer_descs(remote, self._mem_type)
+            handle = self._agent.initialize_xfer("READ", ldl, rdl, peer, b"")
+        except Exception as exc:
+            raise TransportError(f"NIXL could not prepare a READ from {peer}: {exc}") from exc
+        try:
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise TransportError(f"NIXL could not post a READ from {peer}: {exc}") from exc
+        if state == "ERR":
+            self.release(handle)
+            raise TransportError(f"NIXL READ from {peer} failed at post")
+        return handle
+
+    def poll(self, handle: Any) -> XferState:
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            logger.warning("NIXL check_xfer_state failed: %s", exc)
+            return XferState.ERR
+        return XferState(state) if state in ("PROC", "DONE", "ERR") else XferState.ERR
+
+    def release(self, handle: Any) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            logger.warning("NIXL release_xfer_handle failed (transfer may be in flight): %s", exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        self._pump_stop.set()
+        if self._pump is not None:
+            self._pump.join(timeout=1)
+        for reg in self._reg:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as exc:
+                logger.debug("NIXL deregister_memory: %s", exc)
+        self._reg.clear()
