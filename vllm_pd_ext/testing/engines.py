@@ -188,3 +188,63 @@ class Engine:
             key = f"{name}[{src.group(1)}]" if src else name
             out[key] = out.get(key, 0.0) + float(value)
         return out
+
+
+@dataclass
+class Proxy:
+    """``vllm-pd-proxy`` as a subprocess on 127.0.0.1 (same contract as Engine)."""
+
+    prefill: list[str]
+    decode: list[str]
+    log_dir: Path
+    port: int = 0
+    args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.port or free_port()
+        self.log_path = self.log_dir / "proxy.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Proxy:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "vllm_pd_proxy.cli", "--host", "127.0.0.1",
+               "--port", str(self.port)]
+        for url in self.prefill:
+            cmd += ["--prefill", url]
+        for url in self.decode:
+            cmd += ["--decode", url]
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=str(REPO), start_new_session=True)
+        log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> Proxy:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("proxy exited:\n" + self.log_path.read_text())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("proxy not healthy:\n" + self.log_path.read_text())
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    post = Engine.post
