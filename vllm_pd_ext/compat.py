@@ -81,7 +81,9 @@ def compat_info(vllm_config: VllmConfig, transfer_mode: str) -> CompatInfo:
     pc = vllm_config.parallel_config
     return CompatInfo(
         protocol_version=PROTOCOL_VERSION,
-        model=str(mc.model),
+        # The served name, not the path: P and D may load the same weights from
+        # different directories; --served-model-name aligns them.
+        model=_served_name(mc),
         dtype=str(vllm_config.cache_config.cache_dtype if
                   vllm_config.cache_config.cache_dtype != "auto" else mc.dtype),
         block_size=int(vllm_config.cache_config.block_size),
@@ -92,6 +94,13 @@ def compat_info(vllm_config: VllmConfig, transfer_mode: str) -> CompatInfo:
         tp_size=int(pc.tensor_parallel_size),
         transfer_mode=transfer_mode,
     )
+
+
+def _served_name(model_config: Any) -> str:
+    name = model_config.served_model_name or model_config.model
+    if isinstance(name, list | tuple):
+        name = name[0]
+    return str(name)
 
 
 def is_finished_ok(request: Any) -> bool:

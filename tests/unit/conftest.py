@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 # Must precede any NIXL/UCX import (vLLM may import NIXL lazily).
 os.environ["UCX_NET_DEVICES"] = "lo"
@@ -14,23 +13,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import pytest  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, dt: float) -> None:
-        self.now += dt
+from pdunit_utils import FakeClock, free_port  # noqa: E402
 
 
 @pytest.fixture

@@ -1,0 +1,56 @@
+"""Real vLLM engines for the end-to-end tests (started once per session).
+
+``ref`` is a collocated engine without a connector (the oracle), ``p`` a
+PDConnector producer and ``d`` a consumer with ``kv_load_failure_policy=fail``.
+They are started together and stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.helpers import build_model, log_dir
+from vllm_pd_ext.testing.engines import Engine
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="session")
+def model() -> str:
+    return build_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def engines(model: str) -> Iterator[dict[str, Engine]]:
+    logs = log_dir("session")
+    engs = {
+        "ref": Engine("ref", model, logs, connector=None, cpu_bind="0"),
+        "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0"),
+        "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail"),
+    }
+    try:
+        for e in engs.values():
+            e.start()
+        for e in engs.values():
+            e.wait_ready()
+        yield engs
+    finally:
+        for e in engs.values():
+            e.stop()
+
+
+@pytest.fixture(scope="session")
+def ref(engines: dict[str, Engine]) -> Engine:
+    return engines["ref"]
+
+
+@pytest.fixture(scope="session")
+def p(engines: dict[str, Engine]) -> Engine:
+    return engines["p"]
+
+
+@pytest.fixture(scope="session")
+def d(engines: dict[str, Engine]) -> Engine:
+    return engines["d"]

@@ -1,0 +1,95 @@
+"""Shared helpers for end-to-end tests against real vLLM engines."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from vllm_pd_ext.testing.engines import REPO, Engine
+
+BLOCK_SIZE = 128  # vLLM's CPU default
+TINY_LAYERS = 4
+TINY_BLOCK_BYTES = 2 * 128 * 2 * 64 * 2  # heads x block x (K+V) x head_dim x bf16 = 64 KiB
+EXTERNAL = "vllm:prompt_tokens_by_source_total[external_kv_transfer]"
+CACHE_HIT = "vllm:prompt_tokens_by_source_total[local_cache_hit]"
+KV_BYTES = "vllm:pd_ext_kv_bytes_total"
+
+
+def build_model(name: str, seed: int = 0, preset: str = "tiny") -> str:
+    out = REPO / ".models" / name
+    subprocess.run([sys.executable, str(REPO / "examples/make_tiny_model.py"), "--out", str(out),
+                    "--preset", preset, "--seed", str(seed)], check=True,
+                   stdout=subprocess.DEVNULL)
+    return str(out)
+
+
+def token_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 3000) for _ in range(n)]
+
+
+def blocks_for(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK_SIZE)
+
+
+def completion_body(model: str, prompt: Any, max_tokens: int = 12, **extra: Any
+                    ) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
+    body.update(extra)
+    return body
+
+
+def generated(body: dict[str, Any]) -> tuple[str, Any]:
+    choice = body["choices"][0]
+    return choice.get("text") or choice.get("message", {}).get("content"), choice.get("token_ids")
+
+
+def prefill(p: Engine, body: dict[str, Any]) -> dict[str, Any]:
+    leg = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, resp = p.post("/v1/completions", leg)
+    assert status == 200, resp
+    params = resp.get("kv_transfer_params")
+    assert params and params["do_remote_prefill"] is True, resp
+    return params
+
+
+def pd_complete(p: Engine, d: Engine, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    params = prefill(p, body)
+    return d.post("/v1/completions", dict(body, kv_transfer_params=params))
+
+
+def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[str, list[Any]]:
+    """POST with stream=true; returns the joined text and the parsed events."""
+    req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events: list[Any] = []
+    text = ""
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.status == 200
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                events.append("[DONE]")
+                break
+            ev = json.loads(data)
+            events.append(ev)
+            for ch in ev.get("choices", []):
+                text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+    return text, events
+
+
+def log_dir(name: str) -> Path:
+    return REPO / ".runs" / "tests" / name

@@ -1,0 +1,214 @@
+"""kv_transfer_params decoding and side-channel wire messages."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.protocol import ParamsError, decode_params
+
+
+def pull_params(**over):
+    raw = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "eng-p",
+        "remote_request_id": "req-p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [[3, 4, 5]],
+        "tp_size": 1,
+    }
+    raw.update(over)
+    return raw
+
+
+def compat(**over):
+    base = dict(protocol_version=1, model="m", dtype="bfloat16", block_size=128,
+                kv_layout="LBHNC", num_layers=4, num_kv_heads=2, head_size=64, tp_size=1,
+                transfer_mode="pull")
+    base.update(over)
+    return proto.CompatInfo(**base)
+
+
+# ------------------------------------------------------------------ params
+def test_decode_none():
+    assert decode_params(None) is None
+
+
+def test_decode_good_pull():
+    p = decode_params(pull_params())
+    assert p is not None and p.do_remote_prefill
+    assert p.remote_engine_id == "eng-p" and p.remote_port == 5600
+    assert p.flat_remote_block_ids() == [3, 4, 5]
+
+
+def test_decode_flat_block_ids():
+    p = decode_params(pull_params(remote_block_ids=[7, 8]))
+    assert p.flat_remote_block_ids() == [7, 8]
+
+
+def test_unknown_keys_ignored():
+    p = decode_params(pull_params(_remote_blocks_processed=True, proxy_extra={"x": 1}))
+    assert p.remote_request_id == "req-p"
+
+
+def test_decode_remote_decode_only():
+    p = decode_params({"do_remote_decode": True})
+    assert p.do_remote_decode and not p.do_remote_prefill
+
+
+@pytest.mark.parametrize("raw", [[1, 2], "x", 3, b"x"])
+def test_non_dict_refused(raw):
+    with pytest.raises(ParamsError, match="must be an object"):
+        decode_params(raw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("remote_port", "x"), ("tp_size", "two"), ("remote_engine_id", 5),
+     ("do_remote_prefill", "maybe"), ("remote_block_ids", "1,2"),
+     ("remote_block_ids", [["a"]])],
+)
+def test_wrong_type_names_field(field, value):
+    with pytest.raises(ParamsError, match=field):
+        decode_params(pull_params(**{field: value}))
+
+
+@pytest.mark.parametrize("missing", ["remote_engine_id", "remote_request_id", "remote_host",
+                                     "remote_port"])
+def test_missing_required_named(missing):
+    raw = pull_params()
+    del raw[missing]
+    with pytest.raises(ParamsError, match=missing):
+        decode_params(raw)
+
+
+def test_empty_string_counts_as_missing():
+    with pytest.raises(ParamsError, match="remote_host"):
+        decode_params(pull_params(remote_host=""))
+
+
+def test_missing_not_required_without_prefill():
+    p = decode_params({"do_remote_prefill": False, "remote_port": 1})
+    assert p is not None and not p.do_remote_prefill
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1])
+def test_port_out_of_range(port):
+    with pytest.raises(ParamsError, match="remote_port"):
+        decode_params(pull_params(remote_port=port))
+
+
+def test_block_ids_nested_groups_refused():
+    with pytest.raises(ParamsError, match="1 KV-cache group, got 2"):
+        decode_params(pull_params(remote_block_ids=[[1], [2]]))
+
+
+def test_block_ids_mixed_refused():
+    with pytest.raises(ParamsError, match="mixes lists and integers"):
+        decode_params(pull_params(remote_block_ids=[[1, 2], 3]))
+
+
+@pytest.mark.parametrize("ids", [[-1, 2], [[0, -3]]])
+def test_block_ids_negative_refused(ids):
+    with pytest.raises(ParamsError, match="non-negative"):
+        decode_params(pull_params(remote_block_ids=ids))
+
+
+@pytest.mark.parametrize("ids", [[], [[]], None])
+def test_block_ids_empty_refused(ids):
+    with pytest.raises(ParamsError, match="remote_block_ids"):
+        decode_params(pull_params(remote_block_ids=ids))
+
+
+def test_push_mode_refused():
+    with pytest.raises(ParamsError, match="transfer_mode='push'.*pull"):
+        decode_params(pull_params(transfer_mode="push"))
+
+
+def test_pull_mode_explicit_ok():
+    assert decode_params(pull_params(transfer_mode="pull")).transfer_mode == "pull"
+
+
+def test_tp_size_must_be_positive():
+    with pytest.raises(ParamsError, match="tp_size"):
+        decode_params(pull_params(tp_size=0))
+
+
+def test_flat_ids_of_tuple_of_lists_roundtrip():
+    # vLLM sends a tuple of per-group lists; after JSON it is a list of lists.
+    p = decode_params(pull_params(remote_block_ids=([1, 2, 9],)))
+    assert p.flat_remote_block_ids() == [1, 2, 9]
+
+
+# ------------------------------------------------------------------ messages
+AGENT = proto.AgentInfo(tp_rank=0, agent_name="a", agent_metadata=b"\x00\xffmeta",
+                        mem_type="DRAM", regions=[proto.Region(4096, 64, 64, 10)])
+REQUESTS = [
+    proto.HandshakeRequest(engine_id="d", tp_rank=1, compat=compat()),
+    proto.LeaseRenew(engine_id="d", request_ids=["a", "b"], acquire=True),
+    proto.LeaseRenew(engine_id="d", request_ids=[]),
+    proto.LeaseRelease(engine_id="d", request_ids=["a"], tp_rank=1, ok=False, reason="x"),
+]
+REPLIES = [
+    proto.HandshakeReply(engine_id="p", compat=compat(), agent=AGENT),
+    proto.LeaseStatus([1.5, proto.LEASE_UNKNOWN, proto.LEASE_EXPIRED]),
+    proto.Ack(),
+    proto.ErrorReply("malformed", "bad"),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_roundtrip(msg):
+    assert proto.decode_request(proto.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_roundtrip(msg):
+    assert proto.decode_reply(proto.encode(msg)) == msg
+
+
+def test_reply_is_not_a_request():
+    with pytest.raises(msgspec.ValidationError):
+        proto.decode_request(proto.encode(proto.Ack()))
+    with pytest.raises(msgspec.ValidationError):
+        proto.decode_reply(proto.encode(REQUESTS[0]))
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"garbage bytes", msgspec.msgpack.encode([1, 2]),
+                                  msgspec.msgpack.encode({"type": "nope"})])
+def test_garbage_raises_msgspec_errors(data):
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        proto.decode_request(data)
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        proto.decode_reply(data)
+
+
+def test_wrong_field_type_in_message():
+    data = msgspec.msgpack.encode({"type": "renew", "engine_id": "d", "request_ids": "abc"})
+    with pytest.raises(msgspec.ValidationError, match="request_ids"):
+        proto.decode_request(data)
+
+
+# ------------------------------------------------------------------ compat
+def test_compat_diff_names_field():
+    a, b = compat(), compat(block_size=32)
+    assert a.diff(a) == []
+    diff = a.diff(b)
+    assert len(diff) == 1
+    assert diff[0].startswith("block_size:") and "128" in diff[0] and "32" in diff[0]
+    many = a.diff(compat(dtype="float16", tp_size=2))
+    assert [d.split(":")[0] for d in many] == ["dtype", "tp_size"]
+
+
+@pytest.mark.parametrize("field", list(proto.CompatInfo.__struct_fields__))
+def test_compat_digest_differs_per_field(field):
+    a = compat()
+    value = getattr(a, field)
+    other = value + 1 if isinstance(value, int) else value + "-x"
+    b = compat(**{field: other})
+    assert a.digest() != b.digest()
+    assert a.digest() == compat().digest()
+    assert len(a.digest()) == 16

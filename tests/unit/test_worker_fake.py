@@ -1,0 +1,408 @@
+"""PDWorker receive path with FakeTransport and a real SideChannelServer as P.
+
+P's KV memory is real torch CPU tensors registered through a second PDWorker
+(so P's AgentInfo/regions come from the same code as in production); D's
+worker pulls P's blocks byte for byte through the fake fabric.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from pdunit_utils import free_port, wait_for
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.coalesce import build_descriptors
+from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
+from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
+from vllm_pd_ext.worker import PDWorker
+
+HOST = "127.0.0.1"
+NUM_BLOCKS = 12
+HEADS, BLOCK, HEAD = 2, 32, 16
+LAYERS = 3
+BLOCK_BYTES = HEADS * BLOCK * 2 * HEAD * 4  # float32
+
+
+def fake_vllm_config(engine_id: str, producer: bool, block_size: int = BLOCK,
+                     num_blocks: int = NUM_BLOCKS):
+    """The attributes compat.compat_info / engine_id / PDWorker read."""
+    model_config = SimpleNamespace(
+        model="tiny-test-model", dtype="torch.float32",
+        get_num_layers=lambda pc: LAYERS,
+        get_num_kv_heads=lambda pc: HEADS,
+        get_head_size=lambda: HEAD,
+    )
+    return SimpleNamespace(
+        model_config=model_config,
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size,
+                                     num_gpu_blocks=num_blocks),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0,
+                                        data_parallel_index=0),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id, is_kv_producer=producer,
+                                           is_kv_consumer=not producer),
+    )
+
+
+def kv_tensors(fill: str, layers: int = LAYERS, slab: bool = False) -> dict[str, torch.Tensor]:
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    gen = torch.Generator().manual_seed(7)
+    if slab:  # all layers views into one allocation
+        big = torch.zeros((layers, *shape), dtype=torch.float32)
+        if fill == "rand":
+            big.copy_(torch.rand(big.shape, generator=gen))
+        return {f"layer.{i}": big[i] for i in range(layers)}
+    out = {}
+    for i in range(layers):
+        t = torch.rand(shape, generator=gen) if fill == "rand" else torch.zeros(shape)
+        out[f"layer.{i}"] = t
+    return out
+
+
+class Pair:
+    """A P (server + registered worker) and a D worker on one FakeFabric."""
+
+    def __init__(self, *, d_cfg: PDConfig | None = None, p_compat=None, slab=False,
+                 lease_s: float = 30.0, serve: bool = True, d_layers: int = LAYERS,
+                 p_engine_id: str = "eng-p") -> None:
+        self.fabric = FakeFabric()
+        self.p_transport = FakeTransport("p-agent", self.fabric)
+        self.d_transport = FakeTransport("d-agent", self.fabric, cycles_to_done=2)
+        self.p_kv = kv_tensors("rand", slab=slab)
+        self.d_kv = kv_tensors("zero", layers=d_layers, slab=slab)
+        self.p_worker = PDWorker(fake_vllm_config(p_engine_id, True), PDConfig(),
+                                 transport=self.p_transport, tp_rank=0)
+        self.p_worker.register_kv_caches(self.p_kv)
+        self.cfg = d_cfg or PDConfig(handshake_timeout=1.0, transfer_timeout=5.0)
+        self.d_worker = PDWorker(fake_vllm_config("eng-d", False), self.cfg,
+                                 transport=self.d_transport, tp_rank=0)
+        self.d_worker.register_kv_caches(self.d_kv)
+        self.leases = LeaseService(LeaseTable(lease_s, time.monotonic))
+        self.port = free_port()
+        self.server = None
+        self.handshakes = 0
+        if serve:
+            self.server = SideChannelServer(
+                HOST, self.port, "eng-p", p_compat or self.p_worker.compat,
+                {0: self.p_worker.agent}, self.leases)
+            orig = self.server.handle
+
+            def counting(payload: bytes):
+                if isinstance(proto.decode_request(payload), proto.HandshakeRequest):
+                    self.handshakes += 1
+                return orig(payload)
+
+            self.server.handle = counting
+
+    def spec(self, rid="d-req", local=(1, 2, 3, 7), remote=(4, 5, 6, 0), prid="p-req"):
+        return RecvSpec(request_id=rid, local_block_ids=list(local),
+                        remote_block_ids=list(remote), remote_engine_id="eng-p",
+                        remote_request_id=prid, remote_host=HOST, remote_port=self.port,
+                        remote_tp_size=1, num_tokens=len(local) * BLOCK)
+
+    def grant(self, prid="p-req"):
+        with self.leases.lock:
+            self.leases.table.grant(prid)
+
+    def lease(self, prid="p-req"):
+        with self.leases.lock:
+            return self.leases.table.get(prid)
+
+    def close(self):
+        self.d_worker.shutdown()
+        self.p_worker.shutdown()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture
+def make_pair():
+    pairs = []
+
+    def make(**kw):
+        pair = Pair(**kw)
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for pair in pairs:
+        pair.close()
+
+
+def drive(worker: PDWorker, meta: PDConnectorMetadata | None, until: set[str],
+          timeout: float = 5.0):
+    """Step the worker like vLLM does until every id in ``until`` was reported."""
+    sending, recving, failed = set(), set(), set()
+    deadline = time.monotonic() + timeout
+    worker.start_load_kv(meta)
+    while True:
+        s, r, f = worker.get_transfer_results()
+        assert not (r & recving), f"{r & recving} reported twice"
+        sending |= s
+        recving |= r
+        failed |= f
+        if until <= recving or time.monotonic() > deadline:
+            return sending, recving, failed
+        time.sleep(0.002)
+        worker.start_load_kv(None)
+
+
+def assert_blocks_copied(pair: Pair, local, remote):
+    for name, d in pair.d_kv.items():
+        p = pair.p_kv[name]
+        for lo, re in zip(local, remote, strict=True):
+            assert torch.equal(d[lo], p[re]), f"{name} block {lo} != P block {re}"
+        untouched = [b for b in range(NUM_BLOCKS) if b not in local]
+        assert torch.count_nonzero(d[untouched]) == 0
+
+
+# ------------------------------------------------------------------ success
+@pytest.mark.parametrize("slab", [False, True], ids=["per-layer", "slab"])
+def test_pull_copies_blocks_and_releases(make_pair, slab):
+    pair = make_pair(slab=slab)
+    pair.grant()
+    spec = pair.spec()
+    t0 = time.monotonic()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[spec]),
+                               {"d-req"})
+    assert recving == {"d-req"} and failed == set()
+    assert time.monotonic() - t0 < 2.0
+    assert_blocks_copied(pair, spec.local_block_ids, spec.remote_block_ids)
+    # P got the release (sent asynchronously) and will free its blocks.
+    assert wait_for(lambda: pair.lease() is not None
+                    and pair.lease().state is LeaseState.RELEASED)
+    assert pair.lease().release_ok is True
+    # Stats: bytes, descriptors and blocks of the one transfer.
+    stats = pair.d_worker.get_kv_connector_stats()
+    assert stats is not None
+    expected = build_descriptors(spec.local_block_ids, spec.remote_block_ids,
+                                 pair.d_worker.regions, pair.p_worker.agent.regions)
+    assert stats.data["num_transfers"] == 1
+    assert stats.data["bytes_transferred"] == LAYERS * len(spec.local_block_ids) * BLOCK_BYTES
+    assert stats.data["num_descriptors"] == len(expected) == pair.d_transport.num_descriptors
+    assert stats.data["num_blocks"] == len(spec.local_block_ids)
+    assert stats.data["num_failures"] == 0
+    assert len(stats.data["transfer_seconds"]) == 1
+    assert pair.d_worker.get_kv_connector_stats() is None  # taken
+    assert pair.d_worker.num_in_flight == 0
+    assert pair.d_transport.live_handles == {}
+
+
+def test_handshake_cached_across_requests(make_pair):
+    pair = make_pair()
+    pair.grant("p1")
+    pair.grant("p2")
+    s1 = pair.spec("d1", local=(0, 1), remote=(2, 3), prid="p1")
+    _, r, f = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[s1]), {"d1"})
+    assert r == {"d1"} and not f
+    s2 = pair.spec("d2", local=(5,), remote=(9,), prid="p2")
+    _, r, f = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[s2]), {"d2"})
+    assert r == {"d2"} and not f
+    assert pair.handshakes == 1
+    assert_blocks_copied(pair, [0, 1, 5], [2, 3, 9])
+
+
+def test_two_requests_in_one_step(make_pair):
+    pair = make_pair()
+    pair.grant("p1")
+    pair.grant("p2")
+    meta = PDConnectorMetadata(reqs_to_recv=[
+        pair.spec("d1", local=(0, 1), remote=(2, 3), prid="p1"),
+        pair.spec("d2", local=(4,), remote=(8,), prid="p2")])
+    _, r, f = drive(pair.d_worker, meta, {"d1", "d2"})
+    assert r == {"d1", "d2"} and not f
+    assert pair.handshakes == 1
+    assert_blocks_copied(pair, [0, 1, 4], [2, 3, 8])
+
+
+# ------------------------------------------------------------------ failures
+def test_lease_unknown_fails(make_pair):
+    pair = make_pair()  # no grant: P does not know p-req
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == {"d-req"} and recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+    assert torch.count_nonzero(pair.d_kv["layer.0"]) == 0
+    assert pair.leases.num_late_messages == 1
+    stats = pair.d_worker.get_kv_connector_stats()
+    assert stats.data["num_failures"] == 1 and stats.data["num_transfers"] == 0
+
+
+def test_lease_expired_fails(make_pair):
+    pair = make_pair(lease_s=0.05)
+    pair.grant()
+    time.sleep(0.1)
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+
+
+def test_lease_shorter_than_safety_margin_not_read(make_pair):
+    # 0.5 s left after the pin is inside PIN_SAFETY_MARGIN_S: never post a READ.
+    pair = make_pair(lease_s=0.5)
+    pair.grant()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+
+
+@pytest.mark.parametrize("knob", ["fail_post", "fail_poll"])
+def test_transport_failure_fails_and_releases(make_pair, knob):
+    pair = make_pair()
+    pair.grant()
+    setattr(pair.d_transport, knob, True)
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    # D tells P it is done (ok=False) so P frees at once instead of at expiry.
+    assert wait_for(lambda: pair.lease().state is LeaseState.RELEASED)
+    assert pair.lease().release_ok is False
+    assert pair.d_transport.live_handles == {}
+    assert pair.d_worker.get_kv_connector_stats().data["num_failures"] == 1
+
+
+def test_incompatible_peer_fails(make_pair):
+    other = PDWorker(fake_vllm_config("x", True), PDConfig(), transport=FakeTransport(
+        "x", FakeFabric()), tp_rank=0).compat
+    pair = make_pair(p_compat=proto.CompatInfo(**{
+        **{f: getattr(other, f) for f in other.__struct_fields__}, "block_size": 64}))
+    pair.grant()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.peers == set()
+    assert pair.d_transport.num_posts == 0
+
+
+def test_engine_id_mismatch_fails(make_pair):
+    pair = make_pair()
+    pair.grant()
+    spec = pair.spec()
+    spec = RecvSpec(**{**spec.__dict__, "remote_engine_id": "eng-old"})
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[spec]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+
+
+def test_layout_mismatch_fails(make_pair):
+    pair = make_pair(d_layers=LAYERS - 1)
+    pair.grant()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+
+
+def test_out_of_range_remote_block_fails(make_pair):
+    pair = make_pair()
+    pair.grant()
+    spec = pair.spec(local=(0,), remote=(NUM_BLOCKS,))
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[spec]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.num_posts == 0
+
+
+def test_p_not_running_fails_within_timeout(make_pair):
+    cfg = PDConfig(handshake_timeout=0.3, transfer_timeout=3.0)
+    pair = make_pair(d_cfg=cfg, serve=False)
+    t0 = time.monotonic()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    elapsed = time.monotonic() - t0
+    assert failed == recving == {"d-req"}
+    assert elapsed < 1.5, elapsed
+    assert pair.d_worker.num_in_flight == 0
+
+
+def test_transfer_timeout_while_reading(make_pair):
+    cfg = PDConfig(handshake_timeout=1.0, transfer_timeout=0.3)
+    pair = make_pair(d_cfg=cfg)
+    pair.d_transport.cycles_to_done = 10**9  # READ never completes
+    pair.grant()
+    t0 = time.monotonic()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert pair.d_transport.live_handles == {}
+    assert wait_for(lambda: pair.lease().state is LeaseState.RELEASED)
+
+
+def test_unreleasable_read_keeps_request_until_release_succeeds(make_pair):
+    cfg = PDConfig(handshake_timeout=1.0, transfer_timeout=0.2)
+    pair = make_pair(d_cfg=cfg)
+    pair.d_transport.cycles_to_done = 10**9
+    pair.d_transport.fail_release = True
+    pair.grant()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"}, timeout=0.8)
+    # Past its deadline, but the READ may still write D's blocks: not reported.
+    assert recving == set() and failed == set()
+    assert pair.d_worker.num_in_flight == 1
+    assert len(pair.d_transport.live_handles) == 1
+    # P's lease is not released while the READ may still run.
+    assert pair.lease().state is LeaseState.READING
+    pair.d_transport.fail_release = False
+    _, recving, failed = drive(pair.d_worker, None, {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert pair.d_transport.live_handles == {}
+    assert pair.d_worker.num_in_flight == 0
+
+
+def test_done_but_unreleasable_waits(make_pair):
+    pair = make_pair()
+    pair.grant()
+    pair.d_transport.fail_release = True
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"}, timeout=0.3)
+    assert recving == set() and failed == set()
+    pair.d_transport.fail_release = False
+    _, recving, failed = drive(pair.d_worker, None, {"d-req"})
+    assert recving == {"d-req"} and failed == set()
+    assert_blocks_copied(pair, [1, 2, 3, 7], [4, 5, 6, 0])
+
+
+def test_bad_params_fail_immediately(make_pair):
+    pair = make_pair()
+    pair.d_worker.start_load_kv(PDConnectorMetadata(reqs_to_fail={"bad": "remote_port: x"}))
+    sending, recving, failed = pair.d_worker.get_transfer_results()
+    assert recving == failed == {"bad"} and sending == set()
+    assert pair.d_worker.get_transfer_results() == (set(), set(), set())
+
+
+def test_reqs_to_free_echoed_once(make_pair):
+    pair = make_pair()
+    w = pair.p_worker
+    w.start_load_kv(PDConnectorMetadata(reqs_to_free=["a", "b"]))
+    w.start_load_kv(PDConnectorMetadata(reqs_to_free=["c"]))
+    sending, recving, failed = w.get_transfer_results()
+    assert sending == {"a", "b", "c"} and recving == failed == set()
+    assert w.get_transfer_results() == (set(), set(), set())
+    w.start_load_kv(None)
+    assert w.get_transfer_results() == (set(), set(), set())
+
+
+def test_handshake_metadata_describes_regions(make_pair):
+    pair = make_pair()
+    meta = pair.p_worker.get_handshake_metadata()
+    assert meta is not None and meta.agent.agent_name == "p-agent"
+    assert meta.agent.mem_type == "DRAM"
+    assert len(meta.agent.regions) == LAYERS
+    for region, t in zip(meta.agent.regions, pair.p_kv.values(), strict=True):
+        assert region.base_addr == t.data_ptr()
+        assert region.block_len == region.block_stride == BLOCK_BYTES
+        assert region.num_blocks == NUM_BLOCKS
+    # Whole storages registered with the transport, once each.
+    assert sorted(pair.p_transport.regions) == sorted(
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        for t in pair.p_kv.values())
