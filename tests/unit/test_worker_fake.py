@@ -34,7 +34,7 @@ def fake_vllm_config(engine_id: str, producer: bool, block_size: int = BLOCK,
                      num_blocks: int = NUM_BLOCKS):
     """The attributes compat.compat_info / engine_id / PDWorker read."""
     model_config = SimpleNamespace(
-        model="tiny-test-model", dtype="torch.float32",
+        model="tiny-test-model", served_model_name=None, dtype="torch.float32",
         get_num_layers=lambda pc: LAYERS,
         get_num_kv_heads=lambda pc: HEADS,
         get_head_size=lambda: HEAD,

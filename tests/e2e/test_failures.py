@@ -1,0 +1,136 @@
+"""Failure paths on real engines: mismatched peer, lease expiry, malformed
+params, and P killed before D reads under both failure policies."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.helpers import (
+    EXTERNAL,
+    build_model,
+    completion_body,
+    delta,
+    generated,
+    log_dir,
+    prefill,
+    token_prompt,
+)
+from vllm_pd_ext.testing.engines import Engine
+
+pytestmark = pytest.mark.engine
+
+LEASE_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def fail_engines(model: str) -> Iterator[dict[str, Engine]]:
+    """A short-lease P, a recompute-policy D and a D serving another model."""
+    other = build_model("tiny-other", seed=1)
+    logs = log_dir("failures")
+    engs = {
+        "p": Engine("p-short-lease", model, logs, role="kv_producer", cpu_bind="0",
+                    extra_config={"lease_duration": LEASE_S, "heartbeat_interval": 0.5}),
+        "d_recompute": Engine("d-recompute", model, logs, role="kv_consumer", cpu_bind="1",
+                              failure_policy="recompute",
+                              extra_config={"handshake_timeout": 2.0}),
+        "d_other": Engine("d-other-model", other, logs, role="kv_consumer", cpu_bind="1"),
+    }
+    try:
+        for e in engs.values():
+            e.start()
+        for e in engs.values():
+            e.wait_ready()
+        yield engs
+    finally:
+        for e in engs.values():
+            e.stop()
+
+
+def _wait_metric(engine: Engine, key: str, at_least: float, timeout: float = 15) -> float:
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        value = engine.metrics().get(key, 0.0)
+        if value >= at_least:
+            break
+        time.sleep(0.25)
+    return value
+
+
+def test_mismatched_peer_is_refused_naming_the_field(fail_engines: dict[str, Engine],
+                                                     model: str) -> None:
+    p, d_other = fail_engines["p"], fail_engines["d_other"]
+    body = completion_body(model, token_prompt(200, seed=31), max_tokens=4)
+    params = prefill(p, body)
+    status, got = d_other.post("/v1/completions",
+                               dict(body, model=d_other.model, kv_transfer_params=params))
+    assert status >= 500, got  # kv_load_failure_policy=fail: the request errors
+    assert d_other.alive() and p.alive()
+    log = d_other.log_text()
+    assert "incompatible peer: model: ours=" in log, log[-3000:]
+    assert "refused handshake" in p.log_text()
+    # D told P at once, so P did not wait for the lease to expire.
+    assert _wait_metric(p, "vllm:kv_cache_usage_perc", 0) == 0.0
+
+
+def test_lease_expiry_frees_p_blocks_and_d_fails_cleanly(
+        fail_engines: dict[str, Engine], d: Engine, model: str) -> None:
+    p = fail_engines["p"]
+    before = p.metrics()
+    body = completion_body(model, token_prompt(300, seed=32), max_tokens=4)
+    params = prefill(p, body)
+    assert p.metrics().get("vllm:kv_cache_usage_perc", 0) > 0  # held under the lease
+    expired = _wait_metric(p, "vllm:pd_ext_lease_expiries_total",
+                           before.get("vllm:pd_ext_lease_expiries_total", 0) + 1,
+                           timeout=LEASE_S + 10)
+    assert expired == before.get("vllm:pd_ext_lease_expiries_total", 0) + 1
+    assert _wait_metric(p, "vllm:kv_cache_usage_perc", 0) == 0.0
+    # A late D must not read the freed blocks: its pin is refused.
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
+    assert status >= 500, got
+    assert "expired on P" in d.log_text()
+    assert d.alive()
+
+
+def test_malformed_kv_transfer_params_fail_the_request_only(d: Engine, ref: Engine,
+                                                            model: str) -> None:
+    bad = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "y",
+           "remote_host": "127.0.0.1", "remote_port": "not-a-port", "remote_block_ids": [[1]]}
+    body = completion_body(model, token_prompt(64, seed=33), max_tokens=4)
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=bad))
+    assert status >= 400, got
+    assert "remote_port" in d.log_text()
+    # The engine stays up and serves the next request normally.
+    ok_body = completion_body(model, token_prompt(64, seed=34), max_tokens=4)
+    status, got = d.post("/v1/completions", ok_body)
+    _, want = ref.post("/v1/completions", ok_body)
+    assert status == 200 and generated(got) == generated(want)
+
+
+def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
+                                 model: str) -> None:
+    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
+    _, want = ref.post("/v1/completions", body)
+    params = prefill(p, body)
+    p.kill()  # SIGKILL: a crash, no goodbye
+    p.proc.wait(timeout=30)  # type: ignore[union-attr]
+
+    # fail: a clean error, D stays up.
+    t0 = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
+    assert status >= 500, got
+    assert time.monotonic() - t0 < 60
+    assert d.alive()
+
+    # recompute: D prefills locally and the tokens equal the collocated ones.
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
+    after = d_recompute.metrics()
+    assert status == 200, got
+    assert generated(got) == generated(want)
+    assert delta(before, after, EXTERNAL) == 0
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1

@@ -1,0 +1,152 @@
+"""A real vLLM ``Scheduler`` with PDConnector, no workers, no model run.
+
+Re-implements the parts of vLLM's ``tests/v1/kv_connector/unit/utils.py``
+(not shipped in the wheel) that these tests need, for the installed vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+import vllm_pd_ext
+
+REPO = Path(__file__).resolve().parents[2]
+EOS_TOKEN_ID = 2
+BLOCK_SIZE = 32
+
+
+def tiny_model() -> str:
+    path = REPO / ".models" / "tiny"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"),
+                        "--out", str(path)], check=True, env={**os.environ})
+    return str(path)
+
+
+_model_config: ModelConfig | None = None
+
+
+def _shared_model_config() -> ModelConfig:
+    # Building a ModelConfig reads the HF config (slow-ish); it is never
+    # mutated by the scheduler, so share one per session.
+    global _model_config
+    if _model_config is None:
+        _model_config = ModelConfig(model=tiny_model(), dtype="float32", seed=0,
+                                    max_model_len=4096)
+    return _model_config
+
+
+def create_vllm_config(kv_role: str = "kv_consumer", block_size: int = BLOCK_SIZE,
+                       extra: dict[str, Any] | None = None,
+                       kv_load_failure_policy: str = "fail",
+                       engine_id: str | None = None,
+                       max_num_batched_tokens: int = 2048) -> VllmConfig:
+    vllm_pd_ext.register()
+    model_config = _shared_model_config()
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=model_config.max_model_len, enable_chunked_prefill=True,
+        is_encoder_decoder=False)
+    cache_config = CacheConfig(block_size=block_size, cache_dtype="auto",
+                               enable_prefix_caching=True)
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="PDConnector", kv_role=kv_role,
+        kv_connector_extra_config=dict(extra or {}),
+        kv_load_failure_policy=kv_load_failure_policy,
+        engine_id=engine_id)
+    return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                      cache_config=cache_config, kv_transfer_config=kv_transfer_config,
+                      device_config=DeviceConfig("cpu"))
+
+
+def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
+    block_size = vllm_config.cache_config.block_size
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=block_size, log_stats=True)
+
+
+_ids = itertools.count(1)
+_none_hash_ready = False
+
+
+def create_request(num_tokens: int, *, kv_transfer_params: dict[str, Any] | None = None,
+                   max_tokens: int = 16, prompt: list[int] | None = None,
+                   request_id: str | None = None, block_size: int = BLOCK_SIZE) -> Request:
+    global _none_hash_ready
+    if not _none_hash_ready:
+        init_none_hash(sha256)
+        _none_hash_ready = True
+    n = next(_ids)
+    params = SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    tokens = prompt if prompt is not None else [10 + (i * n) % 3000 for i in range(num_tokens)]
+    req = Request(request_id=request_id or f"req-{n}", prompt_token_ids=list(tokens),
+                  sampling_params=params, pooling_params=None,
+                  block_hasher=get_request_block_hasher(block_size, sha256))
+    req.kv_transfer_params = kv_transfer_params
+    return req
+
+
+def make_output(reqs: list[Request] | list[str], *, finished_sending: set[str] | None = None,
+                finished_recving: set[str] | None = None,
+                failed_recving: set[str] | None = None,
+                invalid_block_ids: set[int] | None = None,
+                token_id: int = 100) -> ModelRunnerOutput:
+    req_ids = [r if isinstance(r, str) else r.request_id for r in reqs]
+    kv_out = None
+    if finished_sending or finished_recving or failed_recving or invalid_block_ids:
+        kv_out = KVConnectorOutput(
+            finished_sending=finished_sending, finished_recving=finished_recving,
+            failed_recving=failed_recving or set(), invalid_block_ids=invalid_block_ids or set())
+    return ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,
+        prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_out)
+
+
+def assert_scheduler_empty(scheduler: Scheduler) -> None:
+    """No request anywhere, every block free with ref count 0."""
+    assert len(scheduler.requests) == 0, list(scheduler.requests)
+    assert len(scheduler.waiting) == 0
+    assert len(scheduler.kv_holding_waiting) == 0
+    assert len(scheduler.running) == 0
+    assert len(scheduler.finished_req_ids) == 0
+    assert len(scheduler.finished_recving_kv_req_ids) == 0
+    assert len(scheduler.failed_recving_kv_req_ids) == 0
+    assert len(scheduler._inflight_prefills) == 0
+    mgr = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    assert len(mgr.req_to_blocks) == 0
+    assert len(mgr.num_cached_block) == 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+    for block in pool.blocks:
+        assert block.ref_cnt == 0
