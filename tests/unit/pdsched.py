@@ -46,26 +46,13 @@ def tiny_model() -> str:
     return str(path)
 
 
-_model_config: ModelConfig | None = None
-
-
-def _shared_model_config() -> ModelConfig:
-    # Building a ModelConfig reads the HF config (slow-ish); it is never
-    # mutated by the scheduler, so share one per session.
-    global _model_config
-    if _model_config is None:
-        _model_config = ModelConfig(model=tiny_model(), dtype="float32", seed=0,
-                                    max_model_len=4096)
-    return _model_config
-
-
 def create_vllm_config(kv_role: str = "kv_consumer", block_size: int = BLOCK_SIZE,
                        extra: dict[str, Any] | None = None,
                        kv_load_failure_policy: str = "fail",
                        engine_id: str | None = None,
                        max_num_batched_tokens: int = 2048) -> VllmConfig:
     vllm_pd_ext.register()
-    model_config = _shared_model_config()
+    model_config = ModelConfig(model=tiny_model(), dtype="float32", seed=0, max_model_len=4096)
     scheduler_config = SchedulerConfig(
         max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=model_config.max_model_len, enable_chunked_prefill=True,

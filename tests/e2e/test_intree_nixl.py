@@ -1,0 +1,48 @@
+"""Our proxy drives vLLM's in-tree NixlConnector engines unchanged (wire compatibility)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.helpers import EXTERNAL, completion_body, delta, generated, log_dir, token_prompt
+from vllm_pd_ext.testing.engines import Engine, Proxy
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def nixl_pd(model: str) -> Iterator[tuple[Engine, Engine, Proxy]]:
+    logs = log_dir("intree-nixl")
+    p = Engine("nixl-p", model, logs, connector="NixlConnector", role="kv_producer",
+               cpu_bind="0")
+    d = Engine("nixl-d", model, logs, connector="NixlConnector", role="kv_consumer",
+               cpu_bind="1")
+    proxy = None
+    try:
+        p.start()
+        d.start()
+        p.wait_ready()
+        d.wait_ready()
+        proxy = Proxy([p.url], [d.url], log_dir("intree-nixl")).start().wait_ready()
+        yield p, d, proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        d.stop()
+        p.stop()
+
+
+def test_intree_nixl_connector_behind_our_proxy(ref: Engine, nixl_pd: tuple[Engine, Engine, Proxy],
+                                                model: str) -> None:
+    _, d, proxy = nixl_pd
+    for seed, n in ((41, 150), (42, 300)):
+        body = completion_body(model, token_prompt(n, seed=seed), max_tokens=8)
+        _, want = ref.post("/v1/completions", body)
+        before = d.metrics()
+        status, got = proxy.post("/v1/completions", body, timeout=180)
+        after = d.metrics()
+        assert status == 200, got
+        assert generated(got) == generated(want)
+        assert delta(before, after, EXTERNAL) == n

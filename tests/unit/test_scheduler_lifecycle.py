@@ -1,0 +1,419 @@
+"""PDConnector inside a real vLLM Scheduler (no workers, no model run).
+
+Worker results are fed back by hand (or from a PDWorker with a fake
+transport) as ``KVConnectorOutput``; every test ends with the leak check.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pdsched import (
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    make_output,
+)
+from pdunit_utils import free_port, wait_for
+from vllm.v1.request import RequestStatus
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.metadata import PDConnectorMetadata
+from vllm_pd_ext.side_channel import LeaseService, SideChannelClient, SideChannelServer
+from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
+from vllm_pd_ext.worker import PDWorker
+
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def make_scheduler():
+    made = []
+
+    def make(kv_role="kv_consumer", num_blocks=64, policy="fail", **extra):
+        extra.setdefault("side_channel_port", free_port())
+        extra.setdefault("handshake_timeout", 0.2)
+        cfg = create_vllm_config(kv_role, extra=extra, kv_load_failure_policy=policy,
+                                 engine_id=f"eng-{kv_role}")
+        sched = create_scheduler(cfg, num_blocks=num_blocks)
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        sched.connector.shutdown()
+
+
+def pd(sched):
+    """The connector's scheduler half (PDScheduler)."""
+    return sched.connector._scheduler
+
+
+def step(sched, worker_output=None, **output_kw):
+    """One engine step: schedule, fake the forward, update. Returns (sched_out, core_out)."""
+    out = sched.schedule()
+    reqs = list(out.num_scheduled_tokens)
+    core = sched.update_from_output(out, make_output(reqs, **output_kw))
+    return out, core
+
+
+def outputs_of(core):
+    return [o for eco in core.values() for o in eco.outputs]
+
+
+def run_until_finished(sched, req, max_steps=20):
+    finals = []
+    for _ in range(max_steps):
+        _, core = step(sched)
+        finals += [o for o in outputs_of(core)
+                   if o.request_id == req.request_id and o.finish_reason is not None]
+        if req.is_finished():
+            return finals
+    raise AssertionError(f"{req.request_id} did not finish: {req.status}")
+
+
+def num_free(sched):
+    return sched.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+
+
+def remote_params(port, num_blocks=4, num_tokens=None, rid="p-req", **over):
+    params = dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="eng-p",
+                  remote_request_id=rid, remote_host=HOST, remote_port=port,
+                  remote_block_ids=[list(range(20, 20 + num_blocks))], tp_size=1)
+    if num_tokens is not None:
+        params["remote_num_tokens"] = num_tokens
+    params.update(over)
+    return params
+
+
+# ====================================================================== P side
+def finish_prefill(sched, num_tokens=100):
+    req = create_request(num_tokens, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(req)
+    finals = run_until_finished(sched, req)
+    assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert len(finals) == 1
+    return req, finals[0].kv_transfer_params
+
+
+def test_p_holds_blocks_until_release(make_scheduler):
+    sched = make_scheduler("kv_producer")
+    total_free = num_free(sched)
+    req, params = finish_prefill(sched, num_tokens=100)
+    nblocks = -(-100 // BLOCK_SIZE)
+    # vLLM's NixlConnector keys, pointing at this engine's side channel.
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_engine_id"] == "eng-kv_producer"
+    assert params["remote_host"] == HOST
+    assert params["remote_port"] == pd(sched).port
+    assert params["remote_request_id"] == req.request_id
+    assert params["tp_size"] == 1
+    assert params["remote_num_tokens"] == 100
+    assert params["remote_blocks_expiry_time"] > time.time() + 20
+    assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == nblocks
+    # And D decodes them back without error.
+    assert proto.decode_params(params).flat_remote_block_ids() == params["remote_block_ids"][0]
+    # Blocks held by the lease, not freed.
+    assert req.request_id in sched.requests
+    assert num_free(sched) == total_free - nblocks
+    assert req.request_id in pd(sched).leases.table
+    for _ in range(3):
+        out, _ = step(sched)
+        assert out.kv_connector_metadata.reqs_to_free == []
+    assert req.request_id in sched.requests
+
+    # D's release arrives (as the side-channel thread would deliver it).
+    pd(sched).leases.release(proto.LeaseRelease(engine_id="eng-d", request_ids=[req.request_id],
+                                                tp_rank=0))
+    out = sched.schedule()
+    assert out.kv_connector_metadata.reqs_to_free == [req.request_id]
+    sched.update_from_output(out, make_output([], finished_sending={req.request_id}))
+    assert req.request_id not in sched.requests
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.reqs_to_free == []  # exactly once
+    assert_scheduler_empty(sched)
+    assert num_free(sched) == total_free
+
+
+def test_p_release_over_real_side_channel(make_scheduler):
+    sched = make_scheduler("kv_producer")
+    connector = sched.connector
+    connector.set_xfer_handshake_metadata({})  # starts the side channel
+    req, params = finish_prefill(sched)
+    client = SideChannelClient(2.0)
+    try:
+        status = client.request(HOST, params["remote_port"], proto.LeaseRenew(
+            engine_id="eng-d", request_ids=[req.request_id], acquire=True))
+        assert status.remaining_s[0] > 20
+        assert pd(sched).leases.table.get(req.request_id).state is LeaseState.READING
+        client.request(HOST, params["remote_port"], proto.LeaseRelease(
+            engine_id="eng-d", request_ids=[req.request_id], tp_rank=0))
+    finally:
+        client.close()
+    out = sched.schedule()
+    assert out.kv_connector_metadata.reqs_to_free == [req.request_id]
+    sched.update_from_output(out, make_output([], finished_sending={req.request_id}))
+    assert_scheduler_empty(sched)
+
+
+def test_p_lease_expiry_frees_blocks(make_scheduler):
+    sched = make_scheduler("kv_producer", lease_duration=0.2, heartbeat_interval=0.05)
+    req, params = finish_prefill(sched)
+    t0 = time.monotonic()
+    freed = []
+    expiries = 0
+    while not freed and time.monotonic() - t0 < 5:
+        out = sched.schedule()
+        freed = out.kv_connector_metadata.reqs_to_free
+        core = sched.update_from_output(out, make_output([], finished_sending=set(freed) or None))
+        expiries += sum(eco.scheduler_stats.kv_connector_stats.get("num_lease_expiries", 0)
+                        for eco in core.values()
+                        if eco.scheduler_stats and eco.scheduler_stats.kv_connector_stats)
+    assert freed == [req.request_id]
+    assert time.monotonic() - t0 >= 0.15
+    # The expiry is counted in the stats vLLM collects from the connector.
+    assert expiries == 1
+    # A late pin is refused as expired, never resurrected.
+    assert pd(sched).leases.table.renew(req.request_id, acquire=True) == proto.LEASE_EXPIRED
+    assert_scheduler_empty(sched)
+
+
+def test_p_aborted_prefill_hands_nothing_over(make_scheduler):
+    sched = make_scheduler("kv_producer")
+    req = create_request(100, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(req)
+    sched.schedule()
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert len(pd(sched).leases.table) == 0
+    assert_scheduler_empty(sched)
+
+
+def test_p_probe_returns_identity_only(make_scheduler):
+    sched = make_scheduler("kv_producer")
+    req = create_request(64, kv_transfer_params={"do_remote_decode": True, "pd_ext_probe": True},
+                         max_tokens=1)
+    sched.add_request(req)
+    finals = run_until_finished(sched, req)
+    params = finals[0].kv_transfer_params
+    assert params["remote_engine_id"] == "eng-kv_producer"
+    assert params["remote_block_ids"] is None and params["remote_request_id"] is None
+    assert len(pd(sched).leases.table) == 0
+    assert_scheduler_empty(sched)
+
+
+def test_p_malformed_params_run_locally(make_scheduler):
+    sched = make_scheduler("kv_producer")
+    bad = create_request(64, kv_transfer_params={"do_remote_decode": True, "tp_size": "x"},
+                         max_tokens=1)
+    good = create_request(64, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(bad)
+    sched.add_request(good)
+    run_until_finished(sched, bad)
+    assert good.is_finished()
+    assert bad.request_id not in sched.requests  # freed at once, no lease
+    assert list(pd(sched).leases.table._leases) == [good.request_id]
+    pd(sched).leases.release(proto.LeaseRelease(engine_id="d", request_ids=[good.request_id],
+                                                tp_rank=0))
+    out = sched.schedule()
+    sched.update_from_output(out, make_output(
+        [], finished_sending=set(out.kv_connector_metadata.reqs_to_free)))
+    assert_scheduler_empty(sched)
+
+
+# ====================================================================== D side
+def admit_remote(sched, req):
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert out.num_scheduled_tokens == {}
+    return out.kv_connector_metadata
+
+
+def test_d_remote_prefill_lifecycle(make_scheduler):
+    sched = make_scheduler()
+    dead_p = free_port()
+    total_free = num_free(sched)
+    req = create_request(100, kv_transfer_params=remote_params(dead_p, 4, num_tokens=100),
+                         max_tokens=2)
+    meta = admit_remote(sched, req)
+    assert isinstance(meta, PDConnectorMetadata)
+    assert len(meta.reqs_to_recv) == 1 and meta.reqs_to_fail == {}
+    spec = meta.reqs_to_recv[0]
+    assert spec.request_id == req.request_id
+    assert spec.remote_block_ids == [20, 21, 22, 23]
+    assert len(spec.local_block_ids) == 4 and len(set(spec.local_block_ids)) == 4
+    assert spec.local_block_ids == sched.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert (spec.remote_engine_id, spec.remote_request_id) == ("eng-p", "p-req")
+    assert (spec.remote_host, spec.remote_port, spec.remote_tp_size) == (HOST, dead_p, 1)
+    assert spec.num_tokens == 100
+    assert num_free(sched) == total_free - 4
+    # Heartbeats to a dead P fail in the background; the engine keeps stepping.
+    for _ in range(3):
+        out, _ = step(sched)
+        assert out.kv_connector_metadata.reqs_to_recv == []
+        assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert wait_for(lambda: pd(sched).heartbeats._thread is not None)
+    # The worker reports the load done: the request runs its last token and decodes.
+    step(sched, finished_recving={req.request_id})
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {req.request_id: 1}
+    assert req.request_id not in pd(sched).heartbeats._tracked
+    run_until_finished(sched, req)
+    assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_scheduler_empty(sched)
+
+
+def test_d_prefix_cache_hit_requests_only_missing_blocks(make_scheduler):
+    sched = make_scheduler()
+    prompt = [5 + i for i in range(160)]  # 5 blocks
+    local = create_request(160, prompt=prompt, max_tokens=1)
+    sched.add_request(local)
+    run_until_finished(sched, local)
+    assert_scheduler_empty(sched)
+    # D's prompt shares the first 3 blocks (96 tokens) with what D computed.
+    d_prompt = prompt[:96] + [2000 + i for i in range(64)]
+    req = create_request(160, prompt=d_prompt, max_tokens=1,
+                         kv_transfer_params=remote_params(free_port(), 5, num_tokens=160))
+    meta = admit_remote(sched, req)
+    spec = meta.reqs_to_recv[0]
+    assert spec.remote_block_ids == [23, 24]  # front cut by the 3 cached blocks
+    assert len(spec.local_block_ids) == 2
+    all_local = sched.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert len(all_local) == 5 and spec.local_block_ids == all_local[3:]
+    assert spec.num_tokens == 64
+    assert req.num_computed_tokens == 160
+    step(sched, finished_recving={req.request_id})
+    run_until_finished(sched, req)
+    assert_scheduler_empty(sched)
+
+
+def test_d_failed_recving_fail_policy(make_scheduler):
+    sched = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(free_port(), 4))
+    admit_remote(sched, req)
+    _, core = step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert req.status is RequestStatus.FINISHED_ERROR
+    finals = [o for o in outputs_of(core) if o.request_id == req.request_id]
+    assert finals and str(finals[-1].finish_reason).lower().endswith("error")
+    step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_d_failed_recving_recompute_policy(make_scheduler):
+    sched = make_scheduler(policy="recompute")
+    req = create_request(100, kv_transfer_params=remote_params(free_port(), 4), max_tokens=1)
+    admit_remote(sched, req)
+    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert not req.is_finished()
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {req.request_id: 100}  # full local prefill
+    assert req.is_finished() and req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_scheduler_empty(sched)
+
+
+def test_d_malformed_params_fail_load_engine_keeps_working(make_scheduler):
+    sched = make_scheduler(policy="fail")
+    vcfg = sched.vllm_config
+    worker = PDWorker(vcfg, PDConfig.from_extra_config(
+        vcfg.kv_transfer_config.kv_connector_extra_config),
+        transport=FakeTransport("d", FakeFabric()), tp_rank=0)
+    try:
+        bad = create_request(100, kv_transfer_params=remote_params(free_port(), 4,
+                                                                   remote_port="x"))
+        ok = create_request(64, max_tokens=3)
+        sched.add_request(bad)
+        sched.add_request(ok)
+        out = sched.schedule()
+        assert bad.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        meta = out.kv_connector_metadata
+        assert meta.reqs_to_recv == []
+        assert "remote_port" in meta.reqs_to_fail[bad.request_id]
+        # The worker turns reqs_to_fail into a failed load.
+        worker.start_load_kv(meta)
+        sending, recving, failed = worker.get_transfer_results()
+        assert recving == failed == {bad.request_id} and not sending
+        sched.update_from_output(out, make_output(
+            list(out.num_scheduled_tokens), finished_recving=recving, failed_recving=failed))
+        assert bad.status is RequestStatus.FINISHED_ERROR
+        run_until_finished(sched, ok)
+        assert ok.status is RequestStatus.FINISHED_LENGTH_CAPPED
+        assert_scheduler_empty(sched)
+    finally:
+        worker.shutdown()
+
+
+def test_d_remote_num_tokens_mismatch_fails_load(make_scheduler):
+    sched = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(free_port(), 4, num_tokens=99))
+    meta = admit_remote(sched, req)
+    assert meta.reqs_to_recv == []
+    assert "99" in meta.reqs_to_fail[req.request_id]
+    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert_scheduler_empty(sched)
+
+
+@pytest.fixture
+def fake_p():
+    """A side channel with a lease table, standing in for P's scheduler."""
+    leases = LeaseService(LeaseTable(30.0, time.monotonic))
+    port = free_port()
+    compat = proto.CompatInfo(protocol_version=1, model="m", dtype="d", block_size=32,
+                              kv_layout="x", num_layers=1, num_kv_heads=1, head_size=1,
+                              tp_size=1, transfer_mode="pull")
+    server = SideChannelServer(HOST, port, "eng-p", compat, {}, leases)
+    yield port, leases
+    server.close()
+
+
+def test_d_abort_before_allocation_releases_p(make_scheduler, fake_p):
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(heartbeat_interval=0.05, lease_duration=1.0)
+    req = create_request(100, kv_transfer_params=remote_params(port, 4))
+    sched.add_request(req)  # not scheduled yet: no blocks allocated
+    # Heartbeats start as soon as D knows the request.
+    assert wait_for(lambda: leases.num_heartbeats >= 1)
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert wait_for(lambda: leases.table.get("p-req").state is LeaseState.RELEASED)
+    assert leases.table.get("p-req").release_ok is False
+    assert req.request_id not in pd(sched).heartbeats._tracked
+    step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_d_abort_while_waiting_keeps_blocks_until_reported(make_scheduler, fake_p):
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(heartbeat_interval=0.05, lease_duration=1.0)
+    req = create_request(100, kv_transfer_params=remote_params(port, 4))
+    admit_remote(sched, req)
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    # vLLM keeps the blocks: a READ may still be writing them.
+    assert req.request_id in sched.requests
+    # Heartbeats keep P's lease alive until the worker settles the load.
+    before = leases.num_heartbeats
+    assert wait_for(lambda: leases.num_heartbeats > before + 1)
+    assert leases.table.get("p-req").state is LeaseState.HELD
+    step(sched, finished_recving={req.request_id})
+    assert req.request_id not in pd(sched).heartbeats._tracked
+    step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_d_request_without_params_runs_locally(make_scheduler):
+    sched = make_scheduler()
+    req = create_request(64, max_tokens=2)
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {req.request_id: 64}
+    assert out.kv_connector_metadata.reqs_to_recv == []
+    run_until_finished(sched, req)
+    assert_scheduler_empty(sched)
