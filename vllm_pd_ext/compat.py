@@ -57,7 +57,9 @@ __all__ = [
 
 
 def engine_id(vllm_config: VllmConfig) -> str:
-    eid = vllm_config.kv_transfer_config.engine_id
+    kv_cfg = vllm_config.kv_transfer_config
+    assert kv_cfg is not None, "PDConnector needs --kv-transfer-config"
+    eid = kv_cfg.engine_id
     assert eid is not None, "vLLM assigns kv_transfer_config.engine_id at startup"
     return str(eid)
 

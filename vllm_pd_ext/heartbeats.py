@@ -95,22 +95,29 @@ class HeartbeatSender:
                 for endpoint, msg in releases:
                     self._send(client, endpoint, msg)
                 for endpoint, remote_ids in batches.items():
-                    self._send(client, endpoint, proto.LeaseRenew(
+                    left = self._send(client, endpoint, proto.LeaseRenew(
                         engine_id=self.engine_id, request_ids=remote_ids))
+                    if left is not None:
+                        # P's lease may be shorter than ours: beat at least
+                        # three times per remaining lease.
+                        next_round = min(next_round, time.monotonic() + left / 3)
         finally:
             client.close()
 
-    def _send(self, client: SideChannelClient, endpoint: Endpoint, msg: proto.Request) -> None:
+    def _send(self, client: SideChannelClient, endpoint: Endpoint, msg: proto.Request
+              ) -> float | None:
+        """Send one message; for a renew, return the shortest lease left."""
         try:
             reply = client.request(endpoint[0], endpoint[1], msg)
         except SideChannelError as exc:
             logger.warning("PDConnector: heartbeat/release to %s:%d failed: %s",
                            endpoint[0], endpoint[1], exc)
-            return
-        if isinstance(msg, proto.LeaseRenew):
-            self.num_sent += len(msg.request_ids)
-            if isinstance(reply, proto.LeaseStatus):
-                self.num_refused += sum(1 for r in reply.remaining_s if r < 0)
+            return None
+        if not isinstance(msg, proto.LeaseRenew) or not isinstance(reply, proto.LeaseStatus):
+            return None
+        self.num_sent += len(msg.request_ids)
+        self.num_refused += sum(1 for r in reply.remaining_s if r < 0)
+        return min((r for r in reply.remaining_s if r > 0), default=None)
 
     def close(self) -> None:
         with self._lock:

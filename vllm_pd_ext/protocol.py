@@ -55,7 +55,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def flat_remote_block_ids(self) -> list[int]:
         """The single KV-cache group's block ids (we do not support HMA)."""
-        ids = self.remote_block_ids or []
+        ids: list[Any] = list(self.remote_block_ids or [])
         nested = [isinstance(i, list) for i in ids]
         if all(nested) and ids:
             if len(ids) != 1:
@@ -63,16 +63,14 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
                     "kv_transfer_params.remote_block_ids: expected 1 KV-cache group, "
                     f"got {len(ids)} (hybrid KV-cache models are not supported)"
                 )
-            group = ids[0]
-            assert isinstance(group, list)
-            flat = group
+            flat: list[Any] = ids[0]
         elif any(nested):
             raise ParamsError("kv_transfer_params.remote_block_ids mixes lists and integers")
         else:
             flat = ids
         if any(not isinstance(b, int) or b < 0 for b in flat):
             raise ParamsError("kv_transfer_params.remote_block_ids must be non-negative integers")
-        return [int(b) for b in flat]  # type: ignore[arg-type]
+        return [int(b) for b in flat]
 
 
 _PULL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
@@ -225,8 +223,10 @@ def encode(msg: Request | Reply) -> bytes:
 
 def decode_request(data: bytes) -> Request:
     """Raises ``msgspec.DecodeError`` / ``ValidationError`` on garbage."""
-    return _request_decoder.decode(data)
+    msg: Request = _request_decoder.decode(data)
+    return msg
 
 
 def decode_reply(data: bytes) -> Reply:
-    return _reply_decoder.decode(data)
+    msg: Reply = _reply_decoder.decode(data)
+    return msg

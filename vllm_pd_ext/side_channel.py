@@ -176,7 +176,7 @@ class SideChannelClient:
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_ms = int(timeout_s * 1000)
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
         self._clock = clock
 

@@ -101,8 +101,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
         def histogram(key: str, doc: str) -> Any:
-            metric = self._histogram_cls(name=f"vllm:pd_ext_{key}", documentation=doc,
-                                         buckets=_TIME_BUCKETS, labelnames=labelnames)
+            metric = self._histogram_cls(  # type: ignore[call-arg]
+                name=f"vllm:pd_ext_{key}", documentation=doc, buckets=_TIME_BUCKETS,
+                labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
         self.counters = {

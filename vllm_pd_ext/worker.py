@@ -81,7 +81,7 @@ class RecvJob:
 
 @dataclass
 class _PeerSlot:
-    future: Future[proto.HandshakeReply]
+    future: Future[proto.Reply]
     peer: Peer | None = None
     jobs_waiting: set[str] = field(default_factory=set)
 
@@ -254,7 +254,8 @@ class PDWorker:
             raise _LoadFailed(FailureReason.LEASE_LOST, f"pin failed: {exc}") from exc
         remaining = reply.remaining_s[0] if isinstance(reply, proto.LeaseStatus) else -1.0
         valid_until = job.pin_sent + remaining
-        if remaining < 0 or valid_until - now < PIN_SAFETY_MARGIN_S:
+        margin = min(PIN_SAFETY_MARGIN_S, remaining / 4)
+        if remaining < 0 or valid_until - time.monotonic() < margin:
             if remaining == proto.LEASE_UNKNOWN:
                 self._drop_peer(spec.remote_engine_id)
             what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted?)",
