@@ -36,6 +36,12 @@ if TYPE_CHECKING:
 
 VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
 SUPPORTED_VLLM = ("0.32", "0.33")
+if not VLLM_VERSION.startswith(SUPPORTED_VLLM):
+    import logging
+
+    logging.getLogger("vllm.pd_ext.compat").warning(
+        "vllm_pd_ext is tested with vLLM %s; this is vLLM %s", " and ".join(SUPPORTED_VLLM),
+        VLLM_VERSION)
 
 __all__ = [
     "VLLM_VERSION",
@@ -115,6 +121,15 @@ def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
     return list(blocks.get_unhashed_block_ids())
 
 
+def _check_dense(name: str, block_bytes: int, stride: int) -> None:
+    # Coalescing assumes block i+1 starts where block i ends.
+    if block_bytes != stride:
+        raise RuntimeError(
+            f"PDConnector: KV cache of layer {name} has padded blocks ({block_bytes} B of "
+            f"data per {stride} B stride); this layout is not supported"
+        )
+
+
 def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Region]:
     """Describe each layer's KV tensor as strided block regions.
 
@@ -126,11 +141,14 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
     regions: list[Region] = []
     for name, t in kv_caches.items():
         esize = t.element_size()
-        if t.shape[0] == num_blocks:
+        if t.shape[0] == num_blocks and t[0].is_contiguous():
             stride = t.stride(0) * esize
+            _check_dense(name, t[0].numel() * esize, stride)
             regions.append(Region(t.data_ptr(), stride, stride, num_blocks))
-        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        elif (t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks
+              and t[0, 0].is_contiguous()):
             stride = t.stride(1) * esize
+            _check_dense(name, t[0, 0].numel() * esize, stride)
             for half in range(2):
                 base = t.data_ptr() + half * t.stride(0) * esize
                 regions.append(Region(base, stride, stride, num_blocks))

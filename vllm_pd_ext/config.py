@@ -19,6 +19,7 @@ class ConfigError(ValueError):
 
 
 TRANSFER_MODES = ("pull",)
+MIN_LEASE_S = 2.0
 NIXL_BACKENDS = ("UCX", "GDS", "GDS_MT", "POSIX", "LIBFABRIC", "OBJ", "MOONCAKE")
 
 
@@ -70,6 +71,11 @@ class PDConfig:
         for key, raw in extra.items():
             values[key] = _VALIDATORS[key](key, raw)
         cfg = cls(**values)
+        if cfg.lease_duration < MIN_LEASE_S:
+            raise ConfigError(
+                f"kv_connector_extra_config.lease_duration={cfg.lease_duration}: must be >= "
+                f"{MIN_LEASE_S} s (D needs a safety margin to pin a lease before reading)"
+            )
         if cfg.effective_heartbeat_interval >= cfg.lease_duration:
             raise ConfigError(
                 "kv_connector_extra_config.heartbeat_interval must be shorter than "

@@ -32,7 +32,9 @@ class HeartbeatSender:
     def __init__(self, engine_id: str, interval_s: float, timeout_s: float) -> None:
         self.engine_id = engine_id
         self.interval_s = interval_s
-        self.timeout_s = min(timeout_s, interval_s)
+        # Side-channel replies take well under a millisecond; a short timeout
+        # keeps one dead P from delaying the heartbeats of the others.
+        self.timeout_s = min(timeout_s, interval_s / 2, 1.0)
         self._lock = threading.Condition()
         # D request id -> (endpoint, P request id)
         self._tracked: dict[str, tuple[Endpoint, str]] = {}

@@ -31,8 +31,8 @@ class PDConnectorMetadata(KVConnectorMetadata):
     #: P: leases released or expired this step; each worker echoes them once
     #: in ``finished_sending`` so vLLM frees the blocks.
     reqs_to_free: list[str] = field(default_factory=list)
-    #: D: requests whose load fails before any transfer (bad params): id -> why.
-    reqs_to_fail: dict[str, str] = field(default_factory=dict)
+    #: D: requests whose load fails before any transfer: id -> (FailureReason value, why).
+    reqs_to_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass

@@ -3,9 +3,10 @@
 Pure. vLLM decides (``fail`` ends the request with an error, ``recompute``
 prefills locally); the connector only reports, in the form vLLM 0.32/0.33
 require: the id in ``finished_recving`` *and* ``failed_recving`` (request
-level, valid for any number of KV-cache groups), plus the request's local
-blocks in ``invalid_block_ids`` for single-group models, reported no later
-than the step that returns the id.
+level, valid for any number of KV-cache groups). Block-level
+``invalid_block_ids`` are collected only when ``single_group`` is asked for;
+the worker does not report them, since request-level failure is enough for
+vLLM to apply either policy to an asynchronous load.
 """
 
 from __future__ import annotations

@@ -161,6 +161,7 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     agent_name: str
     agent_metadata: bytes
     mem_type: str
+    device_id: int = 0
     regions: list[Region]
 
 

@@ -26,6 +26,7 @@ from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.leases import LeaseTable
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, RecvSpec
+from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.protocol import KVTransferParams, ParamsError, decode_params
 from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
 from vllm_pd_ext.stats import PDStats
@@ -56,7 +57,7 @@ class PDScheduler:
         self._processed: set[str] = set()
         self._awaiting: set[str] = set()
         self._pending_recv: list[RecvSpec] = []
-        self._pending_fail: dict[str, str] = {}
+        self._pending_fail: dict[str, tuple[str, str]] = {}
 
     # ---------------------------------------------------------------- startup
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
@@ -108,7 +109,7 @@ class PDScheduler:
         self._processed.add(rid)
         if rid in self._bad_params:
             if num_external_tokens > 0:
-                self._pending_fail[rid] = self._bad_params[rid]
+                self._pending_fail[rid] = (FailureReason.BAD_PARAMS.value, self._bad_params[rid])
                 self._awaiting.add(rid)
             return
         params = self._params[rid]
@@ -135,7 +136,10 @@ class PDScheduler:
                        f"{len(need)} remote blocks")
         if problem is not None:
             logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
-            self._pending_fail[rid] = problem
+            self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)
+            self.heartbeats.untrack(rid)
+            self.heartbeats.release(endpoint, str(params.remote_request_id), params.tp_size,
+                                    "layout mismatch on D")
             return
         self._pending_recv.append(RecvSpec(
             request_id=rid,
@@ -165,7 +169,7 @@ class PDScheduler:
                 and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
                 and not self._awaiting and len(self.leases.table)):
             # vLLM steps an engine with no work as long as it holds connector
-            # blocks; without this wait P would spin a core per lease. A
+            # blocks; without this wait an idle P would spin a core. A
             # release wakes us at once; a new request waits at most this long.
             with self.leases.wakeup:
                 self.leases.wakeup.wait(self.cfg.idle_step_wait_ms / 1e3)

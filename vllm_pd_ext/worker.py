@@ -115,7 +115,7 @@ class PDWorker:
         num_blocks = self._num_blocks(first)
         self.regions = compat.kv_regions(kv_caches, num_blocks)
         mem_type = "VRAM" if first.is_cuda else "DRAM"
-        device_id = first.device.index or 0 if first.is_cuda else 0
+        device_id = (first.device.index or 0) if first.is_cuda else 0
         if self.transport is None:
             from vllm_pd_ext.transport import make_nixl_transport
 
@@ -134,7 +134,8 @@ class PDWorker:
             self.transport.start_progress_pump(self.cfg.nixl_progress_interval_ms / 1e3)
         self.agent = proto.AgentInfo(
             tp_rank=self.tp_rank, agent_name=self.transport.agent_name,
-            agent_metadata=self.transport.metadata(), mem_type=mem_type, regions=self.regions)
+            agent_metadata=self.transport.metadata(), mem_type=mem_type, device_id=device_id,
+            regions=self.regions)
         logger.info("PDConnector: worker rank %d registered %d KV regions (%d blocks, %d B "
                     "per block) with %s", self.tp_rank, len(self.regions), num_blocks,
                     self.regions[0].block_len, type(self.transport).__name__)
@@ -154,8 +155,8 @@ class PDWorker:
         now = time.monotonic()
         if meta is not None:
             self._to_free.update(meta.reqs_to_free)
-            for rid, why in meta.reqs_to_fail.items():
-                self._fail_now(rid, [], FailureReason.BAD_PARAMS, why)
+            for rid, (reason, why) in meta.reqs_to_fail.items():
+                self._fail_now(rid, [], FailureReason(reason), why)
             for spec in meta.reqs_to_recv:
                 self._jobs[spec.request_id] = RecvJob(
                     spec, arrived=now, deadline=now + self.cfg.transfer_timeout)
@@ -201,7 +202,12 @@ class PDWorker:
 
     def _step_handshake(self, job: RecvJob) -> None:
         spec = job.spec
-        slot = self._peers[spec.remote_engine_id]
+        slot = self._peers.get(spec.remote_engine_id)
+        if slot is None:
+            # The cached handshake was dropped (another load to this peer failed
+            # or the peer restarted) while this job waited: ask again.
+            self._start_handshake(spec)
+            return
         if slot.peer is None:
             if not slot.future.done():
                 return
@@ -209,7 +215,7 @@ class PDWorker:
                 reply = slot.future.result()
                 slot.peer = self._adopt_peer(spec, reply)
             except (SideChannelError, TransportError, _LoadFailed) as exc:
-                del self._peers[spec.remote_engine_id]
+                self._peers.pop(spec.remote_engine_id, None)
                 reason = getattr(exc, "reason", FailureReason.HANDSHAKE)
                 if "incompatible" in str(exc):
                     reason = FailureReason.INCOMPATIBLE
@@ -272,12 +278,12 @@ class PDWorker:
         except ValueError as exc:
             raise _LoadFailed(FailureReason.LAYOUT, str(exc)) from exc
         assert self.transport is not None
+        job.posted = time.monotonic()
         try:
-            job.handle = self.transport.post_read(peer.name, descs, 0)
+            job.handle = self.transport.post_read(peer.name, descs, peer.agent.device_id)
         except TransportError as exc:
             self._drop_peer(spec.remote_engine_id)
             raise _LoadFailed(FailureReason.TRANSFER, str(exc)) from exc
-        job.posted = time.monotonic()
         job.nbytes = sum(n for _, _, n in descs)
         job.ndescs = len(descs)
         job.state = RecvState.READING
@@ -289,6 +295,11 @@ class PDWorker:
         if state is XferState.PROC:
             return
         if not self.transport.release(job.handle):
+            if not job.stuck_logged:
+                job.stuck_logged = True
+                logger.error("PDConnector: READ for %s finished (%s) but its handle cannot be "
+                             "released; keeping its blocks and retrying", job.spec.request_id,
+                             state.value)
             return  # try again next step; blocks stay allocated
         job.handle = None
         if state is XferState.ERR:

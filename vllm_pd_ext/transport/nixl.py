@@ -106,13 +106,14 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise TransportError(f"NIXL could not prepare a READ from {peer}: {exc}") from exc
         try:
-            state = self._agent.transfer(handle)
+            self._agent.transfer(handle)
         except Exception as exc:
-            self.release(handle)
-            raise TransportError(f"NIXL could not post a READ from {peer}: {exc}") from exc
-        if state == "ERR":
-            self.release(handle)
-            raise TransportError(f"NIXL READ from {peer} failed at post")
+            if self.release(handle):
+                raise TransportError(f"NIXL could not post a READ from {peer}: {exc}") from exc
+            # The handle may still be live: let poll() report ERR and the
+            # caller keep the blocks until release succeeds.
+            logger.warning("NIXL transfer() raised and the handle is still live: %s", exc)
+        # "ERR" at post is reported by the next poll(), on the normal path.
         return handle
 
     def poll(self, handle: Any) -> XferState:
