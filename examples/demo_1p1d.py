@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 

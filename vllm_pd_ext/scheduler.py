@@ -126,14 +126,17 @@ class PDScheduler:
         local = compat.new_block_ids(blocks)
         remote = params.flat_remote_block_ids()
         need = remote[hit_blocks:]
+        expected = -(-request.num_prompt_tokens // self.block_size) - hit_blocks
         problem = None
         if params.remote_num_tokens is not None and params.remote_num_tokens != (
                 request.num_prompt_tokens):
             problem = (f"P prefilled {params.remote_num_tokens} tokens but D's prompt has "
                        f"{request.num_prompt_tokens} (different prompt or tokenizer?)")
-        elif len(local) < len(need) or not need:
-            problem = (f"block layout mismatch: D allocated {len(local)} new blocks for "
-                       f"{len(need)} remote blocks")
+        elif not need or len(need) != expected or len(local) < len(need):
+            # P sends exactly ceil(prompt / block_size) ids; fewer would leave
+            # prompt tokens unloaded but counted as loaded.
+            problem = (f"block layout mismatch: the prompt needs {expected} blocks from P, "
+                       f"P sent {len(need)}, D allocated {len(local)}")
         if problem is not None:
             logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
             self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)

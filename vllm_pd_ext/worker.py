@@ -187,6 +187,8 @@ class PDWorker:
     def _advance(self) -> None:
         now = time.monotonic()
         for rid, job in list(self._jobs.items()):
+            if rid not in self._jobs:
+                continue  # failed together with its peer's handshake this pass
             try:
                 if job.state is RecvState.HANDSHAKE:
                     self._step_handshake(job)
@@ -219,8 +221,14 @@ class PDWorker:
                 reason = getattr(exc, "reason", FailureReason.HANDSHAKE)
                 if "incompatible" in str(exc):
                     reason = FailureReason.INCOMPATIBLE
-                raise _LoadFailed(reason, f"handshake with {spec.remote_host}:"
-                                  f"{spec.remote_port} failed: {exc}") from exc
+                detail = f"handshake with {spec.remote_host}:{spec.remote_port} failed: {exc}"
+                # Everyone waiting on this handshake fails now, not after
+                # another handshake_timeout each.
+                for other in slot.jobs_waiting - {spec.request_id}:
+                    waiting = self._jobs.get(other)
+                    if waiting is not None and waiting.state is RecvState.HANDSHAKE:
+                        self._fail(waiting, reason, detail)
+                raise _LoadFailed(reason, detail) from exc
         job.state = RecvState.PIN
         job.pin_sent = time.monotonic()
         job.future = self._io.submit(

@@ -70,7 +70,7 @@ def test_chat_completion_through_proxy(ref: Engine, d: Engine, proxy: Proxy, mod
 def test_prompt_longer_than_context_returns_backend_4xx(proxy: Proxy, p: Engine, model: str
                                                         ) -> None:
     body = completion_body(model, token_prompt(2100, seed=23), max_tokens=4)
-    direct_status, direct = p.post("/v1/completions", body)
+    direct_status, _ = p.post("/v1/completions", body)
     status, got = proxy.post("/v1/completions", body)
     assert 400 <= direct_status < 500
     assert status == direct_status, got

@@ -12,8 +12,8 @@ os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import pytest  # noqa: E402
-from pdunit_utils import FakeClock, free_port  # noqa: E402
+import pytest
+from pdunit_utils import FakeClock, free_port
 
 
 @pytest.fixture

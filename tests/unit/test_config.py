@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.config import NIXL_BACKENDS, ConfigError, PDConfig
+from vllm_pd_ext.config import MIN_LEASE_S, NIXL_BACKENDS, ConfigError, PDConfig
 
 
 def test_defaults():
@@ -28,12 +28,12 @@ def test_keys_excludes_private():
 
 def test_good_values_converted():
     cfg = PDConfig.from_extra_config({
-        "side_channel_host": "localhost", "side_channel_port": 6000, "lease_duration": 2,
+        "side_channel_host": "localhost", "side_channel_port": 6000, "lease_duration": 4,
         "heartbeat_interval": 0.5, "transfer_timeout": 3, "handshake_timeout": 1.5,
         "nixl_backends": "UCX", "nixl_progress_thread": True, "idle_step_wait_ms": 0,
         "nixl_progress_interval_ms": 0,
     })
-    assert cfg.lease_duration == 2.0 and isinstance(cfg.lease_duration, float)
+    assert cfg.lease_duration == 4.0 and isinstance(cfg.lease_duration, float)
     assert cfg.nixl_backends == ("UCX",)
     assert cfg.effective_heartbeat_interval == 0.5
     assert cfg.idle_step_wait_ms == 0.0
@@ -89,8 +89,9 @@ def test_unknown_key_lists_accepted_keys():
         PDConfig.from_extra_config({"lease_durtion": 5, "zzz": 1})
     msg = str(err.value)
     assert "'lease_durtion'" in msg and "'zzz'" in msg
-    for key in PDConfig.keys():
-        assert key in msg.split("accepted keys:")[1]
+    accepted = msg.split("accepted keys:")[1]
+    known = PDConfig.keys()
+    assert all(key in accepted for key in known)
 
 
 def test_private_key_is_unknown():
@@ -98,15 +99,22 @@ def test_private_key_is_unknown():
         PDConfig.from_extra_config({"_extra": {}})
 
 
-@pytest.mark.parametrize(("lease", "hb"), [(1.0, 1.0), (1.0, 2.0)])
+@pytest.mark.parametrize(("lease", "hb"), [(4.0, 4.0), (4.0, 5.0)])
 def test_heartbeat_not_shorter_than_lease_refused(lease, hb):
     with pytest.raises(ConfigError, match="heartbeat_interval"):
         PDConfig.from_extra_config({"lease_duration": lease, "heartbeat_interval": hb})
 
 
 def test_heartbeat_shorter_ok():
-    cfg = PDConfig.from_extra_config({"lease_duration": 1.0, "heartbeat_interval": 0.99})
-    assert cfg.effective_heartbeat_interval == 0.99
+    cfg = PDConfig.from_extra_config({"lease_duration": 4.0, "heartbeat_interval": 3.99})
+    assert cfg.effective_heartbeat_interval == 3.99
+
+
+def test_lease_below_minimum_refused():
+    with pytest.raises(ConfigError, match="lease_duration") as err:
+        PDConfig.from_extra_config({"lease_duration": MIN_LEASE_S / 2})
+    assert str(MIN_LEASE_S) in str(err.value)
+    assert PDConfig.from_extra_config({"lease_duration": MIN_LEASE_S}).lease_duration == MIN_LEASE_S
 
 
 def test_push_refused_with_hint():

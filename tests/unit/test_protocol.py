@@ -124,7 +124,7 @@ def test_block_ids_empty_refused(ids):
 
 
 def test_push_mode_refused():
-    with pytest.raises(ParamsError, match="transfer_mode='push'.*pull"):
+    with pytest.raises(ParamsError, match=r"transfer_mode='push'.*pull"):
         decode_params(pull_params(transfer_mode="push"))
 
 

@@ -62,6 +62,12 @@ def step(sched, worker_output=None, **output_kw):
     return out, core
 
 
+def assert_empty_after_step(sched):
+    """One more engine step (clears vLLM's per-step finished set), then the leak check."""
+    step(sched)
+    assert_scheduler_empty(sched)
+
+
 def outputs_of(core):
     return [o for eco in core.values() for o in eco.outputs]
 
@@ -136,7 +142,7 @@ def test_p_holds_blocks_until_release(make_scheduler):
     assert req.request_id not in sched.requests
     out, _ = step(sched)
     assert out.kv_connector_metadata.reqs_to_free == []  # exactly once
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
     assert num_free(sched) == total_free
 
 
@@ -158,12 +164,15 @@ def test_p_release_over_real_side_channel(make_scheduler):
     out = sched.schedule()
     assert out.kv_connector_metadata.reqs_to_free == [req.request_id]
     sched.update_from_output(out, make_output([], finished_sending={req.request_id}))
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_p_lease_expiry_frees_blocks(make_scheduler):
-    sched = make_scheduler("kv_producer", lease_duration=0.2, heartbeat_interval=0.05)
-    req, params = finish_prefill(sched)
+    sched = make_scheduler("kv_producer")
+    # PDConfig refuses leases under MIN_LEASE_S; shorten the table's lease directly
+    # so that the test does not wait seconds.
+    pd(sched).leases.table = LeaseTable(0.2, time.monotonic)
+    req, _ = finish_prefill(sched)
     t0 = time.monotonic()
     freed = []
     expiries = 0
@@ -180,7 +189,7 @@ def test_p_lease_expiry_frees_blocks(make_scheduler):
     assert expiries == 1
     # A late pin is refused as expired, never resurrected.
     assert pd(sched).leases.table.renew(req.request_id, acquire=True) == proto.LEASE_EXPIRED
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_p_aborted_prefill_hands_nothing_over(make_scheduler):
@@ -190,7 +199,7 @@ def test_p_aborted_prefill_hands_nothing_over(make_scheduler):
     sched.schedule()
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
     assert len(pd(sched).leases.table) == 0
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_p_probe_returns_identity_only(make_scheduler):
@@ -203,7 +212,7 @@ def test_p_probe_returns_identity_only(make_scheduler):
     assert params["remote_engine_id"] == "eng-kv_producer"
     assert params["remote_block_ids"] is None and params["remote_request_id"] is None
     assert len(pd(sched).leases.table) == 0
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_p_malformed_params_run_locally(make_scheduler):
@@ -222,7 +231,7 @@ def test_p_malformed_params_run_locally(make_scheduler):
     out = sched.schedule()
     sched.update_from_output(out, make_output(
         [], finished_sending=set(out.kv_connector_metadata.reqs_to_free)))
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 # ====================================================================== D side
@@ -265,7 +274,7 @@ def test_d_remote_prefill_lifecycle(make_scheduler):
     assert req.request_id not in pd(sched).heartbeats._tracked
     run_until_finished(sched, req)
     assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_prefix_cache_hit_requests_only_missing_blocks(make_scheduler):
@@ -274,7 +283,7 @@ def test_d_prefix_cache_hit_requests_only_missing_blocks(make_scheduler):
     local = create_request(160, prompt=prompt, max_tokens=1)
     sched.add_request(local)
     run_until_finished(sched, local)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
     # D's prompt shares the first 3 blocks (96 tokens) with what D computed.
     d_prompt = prompt[:96] + [2000 + i for i in range(64)]
     req = create_request(160, prompt=d_prompt, max_tokens=1,
@@ -289,7 +298,7 @@ def test_d_prefix_cache_hit_requests_only_missing_blocks(make_scheduler):
     assert req.num_computed_tokens == 160
     step(sched, finished_recving={req.request_id})
     run_until_finished(sched, req)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_failed_recving_fail_policy(make_scheduler):
@@ -300,8 +309,7 @@ def test_d_failed_recving_fail_policy(make_scheduler):
     assert req.status is RequestStatus.FINISHED_ERROR
     finals = [o for o in outputs_of(core) if o.request_id == req.request_id]
     assert finals and str(finals[-1].finish_reason).lower().endswith("error")
-    step(sched)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_failed_recving_recompute_policy(make_scheduler):
@@ -313,7 +321,7 @@ def test_d_failed_recving_recompute_policy(make_scheduler):
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {req.request_id: 100}  # full local prefill
     assert req.is_finished() and req.status is RequestStatus.FINISHED_LENGTH_CAPPED
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_malformed_params_fail_load_engine_keeps_working(make_scheduler):
@@ -332,7 +340,8 @@ def test_d_malformed_params_fail_load_engine_keeps_working(make_scheduler):
         assert bad.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         meta = out.kv_connector_metadata
         assert meta.reqs_to_recv == []
-        assert "remote_port" in meta.reqs_to_fail[bad.request_id]
+        assert meta.reqs_to_fail[bad.request_id][0] == "bad_params"
+        assert "remote_port" in meta.reqs_to_fail[bad.request_id][1]
         # The worker turns reqs_to_fail into a failed load.
         worker.start_load_kv(meta)
         sending, recving, failed = worker.get_transfer_results()
@@ -342,20 +351,9 @@ def test_d_malformed_params_fail_load_engine_keeps_working(make_scheduler):
         assert bad.status is RequestStatus.FINISHED_ERROR
         run_until_finished(sched, ok)
         assert ok.status is RequestStatus.FINISHED_LENGTH_CAPPED
-        assert_scheduler_empty(sched)
+        assert_empty_after_step(sched)
     finally:
         worker.shutdown()
-
-
-def test_d_remote_num_tokens_mismatch_fails_load(make_scheduler):
-    sched = make_scheduler(policy="fail")
-    req = create_request(100, kv_transfer_params=remote_params(free_port(), 4, num_tokens=99))
-    meta = admit_remote(sched, req)
-    assert meta.reqs_to_recv == []
-    assert "99" in meta.reqs_to_fail[req.request_id]
-    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
-    assert req.status is RequestStatus.FINISHED_ERROR
-    assert_scheduler_empty(sched)
 
 
 @pytest.fixture
@@ -375,7 +373,7 @@ def test_d_abort_before_allocation_releases_p(make_scheduler, fake_p):
     port, leases = fake_p
     with leases.lock:
         leases.table.grant("p-req")
-    sched = make_scheduler(heartbeat_interval=0.05, lease_duration=1.0)
+    sched = make_scheduler(heartbeat_interval=0.05)
     req = create_request(100, kv_transfer_params=remote_params(port, 4))
     sched.add_request(req)  # not scheduled yet: no blocks allocated
     # Heartbeats start as soon as D knows the request.
@@ -384,15 +382,14 @@ def test_d_abort_before_allocation_releases_p(make_scheduler, fake_p):
     assert wait_for(lambda: leases.table.get("p-req").state is LeaseState.RELEASED)
     assert leases.table.get("p-req").release_ok is False
     assert req.request_id not in pd(sched).heartbeats._tracked
-    step(sched)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_abort_while_waiting_keeps_blocks_until_reported(make_scheduler, fake_p):
     port, leases = fake_p
     with leases.lock:
         leases.table.grant("p-req")
-    sched = make_scheduler(heartbeat_interval=0.05, lease_duration=1.0)
+    sched = make_scheduler(heartbeat_interval=0.05)
     req = create_request(100, kv_transfer_params=remote_params(port, 4))
     admit_remote(sched, req)
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
@@ -404,8 +401,7 @@ def test_d_abort_while_waiting_keeps_blocks_until_reported(make_scheduler, fake_
     assert leases.table.get("p-req").state is LeaseState.HELD
     step(sched, finished_recving={req.request_id})
     assert req.request_id not in pd(sched).heartbeats._tracked
-    step(sched)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
 
 
 def test_d_request_without_params_runs_locally(make_scheduler):
@@ -416,4 +412,34 @@ def test_d_request_without_params_runs_locally(make_scheduler):
     assert out.num_scheduled_tokens == {req.request_id: 64}
     assert out.kv_connector_metadata.reqs_to_recv == []
     run_until_finished(sched, req)
-    assert_scheduler_empty(sched)
+    assert_empty_after_step(sched)
+
+
+def test_d_remote_num_tokens_mismatch_fails_load_and_releases_p(make_scheduler, fake_p):
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(port, 4, num_tokens=99))
+    meta = admit_remote(sched, req)
+    assert meta.reqs_to_recv == []
+    reason, why = meta.reqs_to_fail[req.request_id]
+    assert reason == "layout_mismatch" and "99" in why
+    # P's blocks will never be read: D frees them at once instead of at expiry.
+    assert wait_for(lambda: leases.table.get("p-req").state is LeaseState.RELEASED)
+    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert_empty_after_step(sched)
+
+
+def test_d_too_few_remote_blocks_fails_load(make_scheduler):
+    # 100 tokens need 4 blocks; P's params list only 3 (no remote_num_tokens,
+    # as NixlConnector-style peers send). Loading 3 blocks and counting all 100
+    # tokens as computed would leave tokens 96..99 with stale KV.
+    sched = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(free_port(), 3))
+    meta = admit_remote(sched, req)
+    assert meta.reqs_to_recv == [], meta.reqs_to_recv
+    assert req.request_id in meta.reqs_to_fail
+    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert_empty_after_step(sched)

@@ -7,8 +7,8 @@ import time
 import msgspec
 import pytest
 import zmq
-
 from pdunit_utils import FakeClock, free_port
+
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.side_channel import (

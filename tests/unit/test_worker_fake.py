@@ -244,14 +244,35 @@ def test_lease_expired_fails(make_pair):
     assert pair.d_transport.num_posts == 0
 
 
-def test_lease_shorter_than_safety_margin_not_read(make_pair):
-    # 0.5 s left after the pin is inside PIN_SAFETY_MARGIN_S: never post a READ.
-    pair = make_pair(lease_s=0.5)
+def test_pin_too_close_to_expiry_not_read(make_pair):
+    # P answers the pin with 0.25 s left, but the answer takes 0.2 s to arrive:
+    # what is left (< 0.05 s) is inside the safety margin, so no READ is posted.
+    pair = make_pair()
     pair.grant()
+    real_renew = pair.leases.renew
+
+    def slow_renew(msg):
+        real_renew(msg)
+        time.sleep(0.2)
+        return proto.LeaseStatus([0.25])
+
+    pair.leases.renew = slow_renew
     _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
                                {"d-req"})
     assert failed == recving == {"d-req"}
     assert pair.d_transport.num_posts == 0
+    assert torch.count_nonzero(pair.d_kv["layer.0"]) == 0
+
+
+def test_short_lease_still_read(make_pair):
+    # A lease shorter than PIN_SAFETY_MARGIN_S is still usable (margin scales).
+    pair = make_pair(lease_s=0.5)
+    pair.grant()
+    spec = pair.spec()
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[spec]),
+                               {"d-req"})
+    assert recving == {"d-req"} and failed == set()
+    assert_blocks_copied(pair, spec.local_block_ids, spec.remote_block_ids)
 
 
 @pytest.mark.parametrize("knob", ["fail_post", "fail_poll"])
@@ -374,7 +395,8 @@ def test_done_but_unreleasable_waits(make_pair):
 
 def test_bad_params_fail_immediately(make_pair):
     pair = make_pair()
-    pair.d_worker.start_load_kv(PDConnectorMetadata(reqs_to_fail={"bad": "remote_port: x"}))
+    pair.d_worker.start_load_kv(PDConnectorMetadata(
+        reqs_to_fail={"bad": ("bad_params", "remote_port: x")}))
     sending, recving, failed = pair.d_worker.get_transfer_results()
     assert recving == failed == {"bad"} and sending == set()
     assert pair.d_worker.get_transfer_results() == (set(), set(), set())
@@ -406,3 +428,16 @@ def test_handshake_metadata_describes_regions(make_pair):
     assert sorted(pair.p_transport.regions) == sorted(
         (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         for t in pair.p_kv.values())
+
+
+def test_p_not_running_fails_every_waiting_request(make_pair):
+    # Two requests wait on the same handshake; when it fails both must fail
+    # (neither may crash the worker step).
+    cfg = PDConfig(handshake_timeout=0.3, transfer_timeout=3.0)
+    pair = make_pair(d_cfg=cfg, serve=False)
+    meta = PDConnectorMetadata(reqs_to_recv=[
+        pair.spec("d1", local=(0,), remote=(1,), prid="p1"),
+        pair.spec("d2", local=(2,), remote=(3,), prid="p2")])
+    _, recving, failed = drive(pair.d_worker, meta, {"d1", "d2"})
+    assert failed == recving == {"d1", "d2"}
+    assert pair.d_worker.num_in_flight == 0
