@@ -43,8 +43,6 @@ class PDConfig:
     #: Period of the worker's NIXL progress pump on engines that serve KV
     #: (producer/both) when the progress thread is off; 0 disables it.
     nixl_progress_interval_ms: float = 1.0
-    #: Max milliseconds an idle P step sleeps while it only holds leases.
-    idle_step_wait_ms: float = 2.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -164,6 +162,5 @@ _VALIDATORS: dict[str, Any] = {
     "handshake_timeout": _positive,
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,
-    "idle_step_wait_ms": _non_negative,
     "nixl_progress_interval_ms": _non_negative,
 }

@@ -74,6 +74,12 @@ class PDConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self.scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.scheduler.has_pending_block_frees()
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.scheduler.set_xfer_handshake_metadata(metadata)
 

@@ -137,6 +137,9 @@ class LeaseTable:
         self.num_expired += len(expired)
         return SweepResult(released, expired)
 
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())
+
     def next_expiry(self) -> float | None:
         """Earliest expiry among live leases (for bounded idle waits)."""
         return min((lease.expiry for lease in self._leases.values()), default=None)

@@ -28,9 +28,6 @@ class RecvSpec:
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
-    #: P: leases released or expired this step; each worker echoes them once
-    #: in ``finished_sending`` so vLLM frees the blocks.
-    reqs_to_free: list[str] = field(default_factory=list)
     #: D: requests whose load fails before any transfer: id -> (FailureReason value, why).
     reqs_to_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 

@@ -35,15 +35,12 @@ class SideChannelError(RuntimeError):
 
 class LeaseService:
     """The P side of the lease protocol, shared by the server thread and the
-    scheduler step. All lease-table access goes through ``self.lock``;
-    ``self.wakeup`` is notified on every release so an idle step can stop
-    waiting early.
+    scheduler step. All lease-table access goes through ``self.lock``.
     """
 
     def __init__(self, table: LeaseTable) -> None:
         self.table = table
         self.lock = threading.Lock()
-        self.wakeup = threading.Condition(self.lock)
         self.num_heartbeats = 0
         self.num_late_messages = 0
 
@@ -71,7 +68,6 @@ class LeaseService:
                         "PDConnector: release of request %s from engine %s after its lease "
                         "ended (ok=%s %s)", rid, msg.engine_id, msg.ok, msg.reason,
                     )
-            self.wakeup.notify_all()
         return proto.Ack()
 
 

@@ -17,8 +17,7 @@ Lifecycle:
    that window. READING polls the transport.
 3. ``get_transfer_results`` reports finished and failed receives (failed ids
    in both ``finished_recving`` and ``failed_recving`` so vLLM's failure
-   policy applies) and echoes the scheduler's freed P-side ids in
-   ``finished_sending``.
+   policy applies).
 
 A READ that cannot be released (it may still write into D's blocks) keeps
 its request unreported, and so its blocks allocated, until it settles.
@@ -106,7 +105,6 @@ class PDWorker:
         self._peers: dict[str, _PeerSlot] = {}
         self._jobs: dict[str, RecvJob] = {}
         self._report = LoadReport()
-        self._to_free: set[str] = set()
         self._stats = PDStats()
 
     # ------------------------------------------------------------- startup
@@ -154,7 +152,6 @@ class PDWorker:
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:
         now = time.monotonic()
         if meta is not None:
-            self._to_free.update(meta.reqs_to_free)
             for rid, (reason, why) in meta.reqs_to_fail.items():
                 self._fail_now(rid, [], FailureReason(reason), why)
             for spec in meta.reqs_to_recv:
@@ -372,8 +369,9 @@ class PDWorker:
         if self._jobs:
             self._advance()
         report, self._report = self._report, LoadReport()
-        sending, self._to_free = self._to_free, set()
-        return sending, report.finished_recving, report.failed_recving
+        # P's blocks are pinned and freed by the scheduler half, so nothing is
+        # ever reported in finished_sending.
+        return set(), report.finished_recving, report.failed_recving
 
     def get_kv_connector_stats(self) -> PDStats | None:
         return self._stats.take()

@@ -64,6 +64,14 @@ def pd_complete(p: Engine, d: Engine, body: dict[str, Any]) -> tuple[int, dict[s
     return d.post("/v1/completions", dict(body, kv_transfer_params=params))
 
 
+def poke(engine: Engine, model: str) -> None:
+    """One plain request: an idle P frees released or expired leases when the
+    next request arrives (it does not step while idle)."""
+    status, body = engine.post("/v1/completions", completion_body(model, [11, 12, 13],
+                                                                  max_tokens=1))
+    assert status == 200, body
+
+
 def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 

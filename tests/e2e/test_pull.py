@@ -21,6 +21,8 @@ from tests.e2e.helpers import (
     delta,
     generated,
     pd_complete,
+    poke,
+    prefill,
     token_prompt,
 )
 from vllm_pd_ext.testing.engines import Engine
@@ -75,20 +77,18 @@ def test_prefix_shared_with_earlier_prompt_reads_only_missing_blocks(
     assert delta(before, after, KV_BYTES) == 1 * TINY_LAYERS * TINY_BLOCK_BYTES
 
 
-def test_p_frees_blocks_after_d_reads(p: Engine, d: Engine, model: str) -> None:
-    """After D's read P's lease is released, not expired: no block is held."""
+def test_p_holds_blocks_until_d_reads_then_frees_them(p: Engine, d: Engine, model: str
+                                                      ) -> None:
+    """P pins a finished prefill's blocks until D's release, then frees them
+    (released, not expired), and no block stays held."""
     before = p.metrics()
-    status, _ = pd_complete(p, d, completion_body(model, token_prompt(300, seed=7), max_tokens=2))
+    body = completion_body(model, token_prompt(300, seed=7), max_tokens=2)
+    params = prefill(p, body)
+    assert p.metrics()["vllm:kv_cache_usage_perc"] > 0  # pinned under the lease
+    status, _ = d.post("/v1/completions", dict(body, kv_transfer_params=params))
     assert status == 200
-    # P frees on its next step; poll its metrics briefly.
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        after = p.metrics()
-        if after.get("vllm:kv_cache_usage_perc", 1.0) == 0.0:
-            break
-        time.sleep(0.2)
-    assert after.get("vllm:kv_cache_usage_perc") == 0.0
+    poke(p, model)
+    after = p.metrics()
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
     assert delta(before, after, "vllm:pd_ext_lease_expiries_total") == 0
     assert delta(before, after, "vllm:pd_ext_leases_granted_total") == 1

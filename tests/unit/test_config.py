@@ -30,13 +30,13 @@ def test_good_values_converted():
     cfg = PDConfig.from_extra_config({
         "side_channel_host": "localhost", "side_channel_port": 6000, "lease_duration": 4,
         "heartbeat_interval": 0.5, "transfer_timeout": 3, "handshake_timeout": 1.5,
-        "nixl_backends": "UCX", "nixl_progress_thread": True, "idle_step_wait_ms": 0,
+        "nixl_backends": "UCX", "nixl_progress_thread": True,
         "nixl_progress_interval_ms": 0,
     })
     assert cfg.lease_duration == 4.0 and isinstance(cfg.lease_duration, float)
     assert cfg.nixl_backends == ("UCX",)
     assert cfg.effective_heartbeat_interval == 0.5
-    assert cfg.idle_step_wait_ms == 0.0
+    assert cfg.nixl_progress_interval_ms == 0.0
     assert PDConfig.from_extra_config({"side_channel_host": "::1"}).side_channel_host == "::1"
     assert PDConfig.from_extra_config(
         {"nixl_backends": ["UCX", "POSIX"]}).nixl_backends == ("UCX", "POSIX")
@@ -63,7 +63,7 @@ BAD = [
     ("nixl_backends", ["UCX", "WARP"], "WARP"),
     ("nixl_progress_thread", 1, "true or false"),
     ("nixl_progress_thread", "yes", "true or false"),
-    ("idle_step_wait_ms", -1, ">= 0"),
+    ("nixl_progress_interval_ms", -1, ">= 0"),
     ("nixl_progress_interval_ms", "1", ">= 0"),
 ]
 

@@ -124,26 +124,26 @@ def test_p_holds_blocks_until_release(make_scheduler):
     assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == nblocks
     # And D decodes them back without error.
     assert proto.decode_params(params).flat_remote_block_ids() == params["remote_block_ids"][0]
-    # Blocks held by the lease, not freed.
-    assert req.request_id in sched.requests
+    # The request left vLLM's scheduler (an idle P does not step) but its
+    # blocks stay pinned by the lease.
+    assert req.request_id not in sched.requests
     assert num_free(sched) == total_free - nblocks
     assert req.request_id in pd(sched).leases.table
     for _ in range(3):
-        out, _ = step(sched)
-        assert out.kv_connector_metadata.reqs_to_free == []
-    assert req.request_id in sched.requests
+        step(sched)
+    assert not sched.has_requests()  # nothing keeps the engine stepping
+    assert num_free(sched) == total_free - nblocks
 
     # D's release arrives (as the side-channel thread would deliver it).
     pd(sched).leases.release(proto.LeaseRelease(engine_id="eng-d", request_ids=[req.request_id],
                                                 tp_rank=0))
-    out = sched.schedule()
-    assert out.kv_connector_metadata.reqs_to_free == [req.request_id]
-    sched.update_from_output(out, make_output([], finished_sending={req.request_id}))
-    assert req.request_id not in sched.requests
-    out, _ = step(sched)
-    assert out.kv_connector_metadata.reqs_to_free == []  # exactly once
-    assert_empty_after_step(sched)
+    assert sched.connector.has_pending_block_frees()
+    step(sched)
     assert num_free(sched) == total_free
+    assert pd(sched).num_pinned_requests == 0
+    step(sched)
+    assert num_free(sched) == total_free  # freed exactly once
+    assert_empty_after_step(sched)
 
 
 def test_p_release_over_real_side_channel(make_scheduler):
@@ -161,9 +161,13 @@ def test_p_release_over_real_side_channel(make_scheduler):
             engine_id="eng-d", request_ids=[req.request_id], tp_rank=0))
     finally:
         client.close()
-    out = sched.schedule()
-    assert out.kv_connector_metadata.reqs_to_free == [req.request_id]
-    sched.update_from_output(out, make_output([], finished_sending={req.request_id}))
+    # The next request's arrival sweeps the released lease before it competes
+    # for blocks.
+    total = num_free(sched)
+    poke = create_request(32, max_tokens=1)
+    sched.add_request(poke)
+    assert num_free(sched) == total + -(-100 // BLOCK_SIZE)
+    run_until_finished(sched, poke)
     assert_empty_after_step(sched)
 
 
@@ -174,16 +178,16 @@ def test_p_lease_expiry_frees_blocks(make_scheduler):
     pd(sched).leases.table = LeaseTable(0.2, time.monotonic)
     req, _ = finish_prefill(sched)
     t0 = time.monotonic()
-    freed = []
+    held = num_free(sched)
     expiries = 0
-    while not freed and time.monotonic() - t0 < 5:
+    while num_free(sched) == held and time.monotonic() - t0 < 5:
         out = sched.schedule()
-        freed = out.kv_connector_metadata.reqs_to_free
-        core = sched.update_from_output(out, make_output([], finished_sending=set(freed) or None))
+        core = sched.update_from_output(out, make_output([]))
         expiries += sum(eco.scheduler_stats.kv_connector_stats.get("num_lease_expiries", 0)
                         for eco in core.values()
                         if eco.scheduler_stats and eco.scheduler_stats.kv_connector_stats)
-    assert freed == [req.request_id]
+    assert num_free(sched) > held
+    assert pd(sched).num_pinned_requests == 0
     assert time.monotonic() - t0 >= 0.15
     # The expiry is counted in the stats vLLM collects from the connector.
     assert expiries == 1
@@ -228,9 +232,8 @@ def test_p_malformed_params_run_locally(make_scheduler):
     assert list(pd(sched).leases.table._leases) == [good.request_id]
     pd(sched).leases.release(proto.LeaseRelease(engine_id="d", request_ids=[good.request_id],
                                                 tp_rank=0))
-    out = sched.schedule()
-    sched.update_from_output(out, make_output(
-        [], finished_sending=set(out.kv_connector_metadata.reqs_to_free)))
+    step(sched)
+    assert pd(sched).num_pinned_requests == 0
     assert_empty_after_step(sched)
 
 

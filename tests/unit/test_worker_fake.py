@@ -402,14 +402,11 @@ def test_bad_params_fail_immediately(make_pair):
     assert pair.d_worker.get_transfer_results() == (set(), set(), set())
 
 
-def test_reqs_to_free_echoed_once(make_pair):
+def test_worker_never_reports_finished_sending(make_pair):
+    """P's blocks are pinned and freed by the scheduler half, not via finished_sending."""
     pair = make_pair()
     w = pair.p_worker
-    w.start_load_kv(PDConnectorMetadata(reqs_to_free=["a", "b"]))
-    w.start_load_kv(PDConnectorMetadata(reqs_to_free=["c"]))
-    sending, recving, failed = w.get_transfer_results()
-    assert sending == {"a", "b", "c"} and recving == failed == set()
-    assert w.get_transfer_results() == (set(), set(), set())
+    w.start_load_kv(PDConnectorMetadata())
     w.start_load_kv(None)
     assert w.get_transfer_results() == (set(), set(), set())
 
