@@ -13,7 +13,7 @@ Why not vLLM's delayed free (``request_finished -> (True, ...)`` and
 ``finished_sending``): vLLM keeps stepping an engine that holds such
 requests, and its worker busy-polls the step queue for a second after each
 step, so an idle P holding one lease burns more than a core (measured: 119%
-of a core; 6% with pinning).
+of a core; about 1.4% with pinning).
 
 As D (consumer): a request arriving with ``do_remote_prefill`` is decoded
 into ``KVTransferParams`` once (``on_new_request``), heartbeats to P start at

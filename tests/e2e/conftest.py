@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.e2e.helpers import build_model, log_dir
-from vllm_pd_ext.testing.engines import Engine
+from vllm_pd_ext.testing.engines import Engine, running
 
 pytestmark = pytest.mark.engine
 
@@ -30,15 +30,8 @@ def engines(model: str) -> Iterator[dict[str, Engine]]:
         "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0"),
         "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail"),
     }
-    try:
-        for e in engs.values():
-            e.start()
-        for e in engs.values():
-            e.wait_ready()
+    with running(*engs.values()):
         yield engs
-    finally:
-        for e in engs.values():
-            e.stop()
 
 
 @pytest.fixture(scope="session")

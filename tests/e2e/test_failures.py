@@ -19,7 +19,7 @@ from tests.e2e.helpers import (
     prefill,
     token_prompt,
 )
-from vllm_pd_ext.testing.engines import Engine
+from vllm_pd_ext.testing.engines import Engine, running
 
 pytestmark = pytest.mark.engine
 
@@ -39,15 +39,8 @@ def fail_engines(model: str) -> Iterator[dict[str, Engine]]:
                               extra_config={"handshake_timeout": 2.0}),
         "d_other": Engine("d-other-model", other, logs, role="kv_consumer", cpu_bind="1"),
     }
-    try:
-        for e in engs.values():
-            e.start()
-        for e in engs.values():
-            e.wait_ready()
+    with running(*engs.values()):
         yield engs
-    finally:
-        for e in engs.values():
-            e.stop()
 
 
 def test_mismatched_peer_is_refused_naming_the_field(fail_engines: dict[str, Engine],

@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,3 +249,18 @@ class Proxy:
                 self.proc.wait(timeout=5)
 
     post = Engine.post
+
+
+@contextlib.contextmanager
+def running(*engines: Engine) -> Iterator[None]:
+    """Start engines together (their startups overlap), wait until all serve,
+    and stop every one of them on exit, whatever happened."""
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+        yield
+    finally:
+        for e in engines:
+            e.stop()
