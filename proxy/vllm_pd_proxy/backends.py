@@ -72,6 +72,8 @@ class Backend:
     identity_error_at: float | None = None
     # Decode role with --prefix-aware-len only.
     prefixes: PrefixLRU | None = None
+    # The last health probe timed out (slow, not known dead).
+    slow: bool = False
 
     @property
     def routable(self) -> bool:
@@ -86,8 +88,9 @@ class Backend:
         self.in_flight -= 1
         self.outstanding_tokens -= tokens
 
-    def mark(self, state: State, error: str | None = None) -> None:
+    def mark(self, state: State, error: str | None = None, slow: bool = False) -> None:
         self.state = state
+        self.slow = slow
         self.last_error = error
         self.last_checked = time.monotonic()
 
@@ -124,13 +127,18 @@ class Pool:
         excluded = set(exclude)
         candidates = [b for b in self.backends if b.routable and b not in excluded]
         if not candidates:
+            # A probe that timed out is no proof of death (an overloaded engine
+            # answers /health late): with nothing healthy left, try the slow
+            # ones rather than refuse the request.
+            candidates = [b for b in self.backends if b.slow and b not in excluded]
+        if not candidates:
             return None
         if len(candidates) == 1:
             return candidates[0]
         return self.policy.choose(candidates, tokens)
 
     def any_routable(self) -> bool:
-        return any(b.routable for b in self.backends)
+        return any(b.routable or b.slow for b in self.backends)
 
     def healthy_count(self) -> int:
         return sum(1 for b in self.backends if b.state == "healthy")

@@ -98,7 +98,8 @@ class HealthMonitor:
                     status = resp.status
         except TimeoutError:
             backend.mark(
-                "unhealthy", f"health probe timed out after {self._config.health_timeout:g} s"
+                "unhealthy", f"health probe timed out after {self._config.health_timeout:g} s",
+                slow=True,
             )
         except aiohttp.ClientError as exc:
             backend.mark("unhealthy", f"health probe failed: {type(exc).__name__}: {exc}")

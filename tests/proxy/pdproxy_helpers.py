@@ -47,6 +47,7 @@ class FakeEngine:
     probe_transfer_mode: str | None = "push"
     model: str = "fake-model"
     health_status: int = 200
+    health_delay: float = 0.0
     fail_status: int | None = None
     delay: float = 0.0
     chunks: list[str] = field(default_factory=lambda: ["Hello", ",", " world"])
@@ -106,6 +107,8 @@ class FakeEngine:
             await self.server.close()
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay:
+            await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:

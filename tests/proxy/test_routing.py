@@ -131,3 +131,17 @@ async def test_prefix_aware_local_prefill(engines, proxy):
     other = "T" * 800
     assert (await client.post("/v1/completions", json={"prompt": other})).status == 200
     assert len(p.legs()) == 2  # a different prefix goes remote again
+
+
+async def test_slow_health_probe_does_not_take_the_last_backend_out(engines, proxy):
+    """A /health that times out marks the engine unhealthy but "slow": when no
+    healthy engine of that role is left, requests still go to it (an overloaded
+    engine is not a dead one), while a 503-answering engine stays excluded."""
+    p = await engines("prefill")
+    slow = await engines("decode", health_delay=1.0)
+    client = await proxy([p], [slow], health_timeout=0.2)
+    health = await (await client.get("/health")).json()
+    assert "timed out" in health["decode"][0]["last_error"]
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert resp.status == 200
+    assert len(slow.legs()) == 1
