@@ -1,0 +1,108 @@
+"""D's HeartbeatSender against a real P side channel (real clock, short leases)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from pdunit_utils import free_port, wait_for
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.heartbeats import HeartbeatSender
+from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+
+HOST = "127.0.0.1"
+COMPAT = proto.CompatInfo(protocol_version=1, model="m", dtype="bfloat16", block_size=128,
+                          kv_layout="LBHNC", num_layers=2, num_kv_heads=2, head_size=64,
+                          tp_size=1, transfer_mode="pull")
+
+
+@pytest.fixture
+def p_side() -> Iterator[tuple[LeaseService, int]]:
+    leases = LeaseService(LeaseTable(0.6, time.monotonic))
+    port = free_port()
+    server = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, leases)
+    try:
+        yield leases, port
+    finally:
+        server.close()
+
+
+def sweep(leases: LeaseService) -> tuple[list[str], list[str]]:
+    with leases.lock:
+        result = leases.table.sweep()
+    return result.released, result.expired
+
+
+def test_heartbeats_keep_a_lease_alive_past_its_duration(p_side) -> None:
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-1")
+    sender = HeartbeatSender("eng-d", interval_s=0.1, timeout_s=1.0)
+    try:
+        sender.track("d-1", (HOST, port), "p-1")
+        time.sleep(1.5)  # 2.5 lease durations
+        assert sweep(leases) == ([], [])
+        assert leases.table.get("p-1").num_renewals >= 5
+        assert leases.num_heartbeats >= 5
+        sender.untrack("d-1")
+        time.sleep(0.8)  # silence for more than a lease
+        assert sweep(leases) == ([], ["p-1"])
+    finally:
+        sender.close()
+
+
+def test_first_heartbeat_leaves_at_once(p_side) -> None:
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-2")
+    sender = HeartbeatSender("eng-d", interval_s=5.0, timeout_s=1.0)
+    try:
+        sender.track("d-2", (HOST, port), "p-2")
+        assert wait_for(lambda: leases.num_heartbeats >= 1, timeout=0.5)
+    finally:
+        sender.close()
+
+
+def test_interval_adapts_to_a_shorter_lease_on_p(p_side) -> None:
+    """D configured for 5 s beats still keep P's 0.6 s lease alive."""
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-3")
+    sender = HeartbeatSender("eng-d", interval_s=5.0, timeout_s=1.0)
+    try:
+        sender.track("d-3", (HOST, port), "p-3")
+        time.sleep(1.5)
+        assert sweep(leases) == ([], [])
+    finally:
+        sender.close()
+
+
+def test_release_frees_every_rank(p_side) -> None:
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-4", num_consumers=2)
+    sender = HeartbeatSender("eng-d", interval_s=0.1, timeout_s=1.0)
+    try:
+        sender.release((HOST, port), "p-4", tp_size=2, reason="aborted before load")
+        assert wait_for(lambda: leases.table.get("p-4").state is LeaseState.RELEASED)
+        assert sweep(leases) == (["p-4"], [])
+    finally:
+        sender.close()
+
+
+def test_dead_p_does_not_starve_a_live_one(p_side) -> None:
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-5")
+    dead = free_port()  # nothing listens there
+    sender = HeartbeatSender("eng-d", interval_s=0.1, timeout_s=5.0)
+    try:
+        sender.track("d-dead", (HOST, dead), "p-x")
+        sender.track("d-5", (HOST, port), "p-5")
+        time.sleep(1.5)
+        assert sweep(leases) == ([], [])  # kept alive despite the dead endpoint
+    finally:
+        sender.close()
