@@ -75,3 +75,33 @@ def test_prompt_longer_than_context_returns_backend_4xx(proxy: Proxy, p: Engine,
     assert 400 <= direct_status < 500
     assert status == direct_status, got
     assert "error" in got and "2100" in str(got), got
+
+
+def test_client_disconnect_aborts_the_decode_leg(d: Engine, proxy: Proxy, model: str) -> None:
+    """Closing the client connection mid-stream makes D abort the request and
+    free its blocks (it would otherwise generate 1500 more tokens)."""
+    import http.client
+    import json
+    import time
+
+    body = completion_body(model, token_prompt(200, seed=24), max_tokens=1500,
+                           ignore_eos=True, stream=True)
+    before = d.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # generation under way on D
+    assert d.metrics()["vllm:num_requests_running"] == 1
+    conn.close()  # the client goes away
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = d.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0:
+            break
+        time.sleep(0.2)
+    assert m["vllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    # Aborted early, not run to completion.
+    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1500
