@@ -43,6 +43,9 @@ class PDConfig:
     #: Period of the worker's NIXL progress pump on engines that serve KV
     #: (producer/both) when the progress thread is off; 0 disables it.
     nixl_progress_interval_ms: float = 1.0
+    #: Back a host-memory KV cache with transparent huge pages (madvise
+    #: MADV_COLLAPSE); about doubles same-host READ speed.
+    kv_huge_pages: bool = True
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -162,5 +165,6 @@ _VALIDATORS: dict[str, Any] = {
     "handshake_timeout": _positive,
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,
+    "kv_huge_pages": _bool,
     "nixl_progress_interval_ms": _non_negative,
 }

@@ -125,6 +125,13 @@ class PDWorker:
         for t in kv_caches.values():
             storage = t.untyped_storage()
             ranges[storage.data_ptr()] = storage.nbytes()
+        if mem_type == "DRAM" and self.cfg.kv_huge_pages:
+            from vllm_pd_ext.hugepages import prefer_huge_pages
+
+            # Before registration, so NIXL/UCX never sees the small pages.
+            done, tried = prefer_huge_pages(ranges)
+            logger.info("PDConnector: KV cache on huge pages: %d of %d MiB", done >> 20,
+                        tried >> 20)
         self.transport.register(sorted(ranges.items()), mem_type, device_id)
         kv_cfg = self.vllm_config.kv_transfer_config
         if (kv_cfg.is_kv_producer and not self.cfg.nixl_progress_thread
