@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ class FakeTransport(Transport):
         self.fail_post = False
         self.fail_poll = False
         self.fail_release = False
+        #: Seconds a post takes (the copy inside NIXL's post call, on one host).
+        self.post_delay = 0.0
         self.num_posts = 0
         self.num_descriptors = 0
         self.live_handles: dict[int, _Xfer] = {}
@@ -71,6 +74,8 @@ class FakeTransport(Transport):
     def post_read(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int) -> Any:
         if peer not in self.peers:
             raise TransportError(f"unknown peer {peer!r}")
+        if self.post_delay:
+            time.sleep(self.post_delay)
         if self.fail_post:
             raise TransportError("fake: post failed")
         remote = self.fabric.agents[peer]
