@@ -65,6 +65,7 @@ BAD = [
     ("nixl_progress_thread", "yes", "true or false"),
     ("nixl_progress_interval_ms", -1, ">= 0"),
     ("nixl_progress_interval_ms", "1", ">= 0"),
+    ("kv_huge_pages", "yes", "true or false"),
 ]
 
 
