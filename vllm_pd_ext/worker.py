@@ -77,6 +77,7 @@ class RecvJob:
     pin_sent: float = 0.0
     handle: Any = None
     posted: float = 0.0
+    done_at: float = 0.0
     nbytes: int = 0
     ndescs: int = 0
     stuck_logged: bool = False
@@ -302,16 +303,25 @@ class PDWorker:
         job.nbytes = sum(n for _, _, n in descs)
         job.ndescs = len(descs)
         job.state = RecvState.POSTING
-        job.future = self._poster.submit(
-            self.transport.post_read, peer.name, descs, peer.agent.device_id)
+        job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id)
         self._step_post(job)
+
+    def _post(self, peer: str, descs: list[Any], device_id: int
+              ) -> tuple[Any, XferState, float]:
+        """Poster thread: post, then poll once so that a copy done inside the
+        post call is timed when it ended, not when the next step looks."""
+        assert self.transport is not None
+        handle = self.transport.post_read(peer, descs, device_id)
+        return handle, self.transport.poll(handle), time.monotonic()
 
     def _step_post(self, job: RecvJob) -> None:
         assert job.future is not None
         if not job.future.done():
             return
         try:
-            job.handle = job.future.result()
+            job.handle, state, at = job.future.result()
+            if state is XferState.DONE:
+                job.done_at = at
         except TransportError as exc:
             self._drop_peer(job.spec.remote_engine_id)
             raise _LoadFailed(FailureReason.TRANSFER, str(exc)) from exc
@@ -336,14 +346,15 @@ class PDWorker:
             self._drop_peer(job.spec.remote_engine_id)
             raise _LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
         done = time.monotonic()
+        copied = job.done_at or done
         self._stats.record_transfer(job.nbytes, job.ndescs, len(job.spec.local_block_ids),
-                                    done - job.posted, done - job.arrived)
+                                    copied - job.posted, done - job.arrived)
         del self._jobs[job.spec.request_id]
         self._report.add_done(job.spec.request_id)
         self._send_release(job.spec, ok=True, reason="")
         logger.info("PDConnector: request %s loaded %d tokens (%d B, %d descriptors) from "
                     "engine %s in %.2f ms", job.spec.request_id, job.spec.num_tokens, job.nbytes,
-                    job.ndescs, job.spec.remote_engine_id, (done - job.posted) * 1e3)
+                    job.ndescs, job.spec.remote_engine_id, (copied - job.posted) * 1e3)
 
     def _timeout(self, job: RecvJob) -> None:
         if job.state is RecvState.POSTING:
