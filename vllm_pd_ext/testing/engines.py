@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -39,9 +40,17 @@ SAFE_ENV = {
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below Linux's ephemeral range (32768+), so that the ports
+    vLLM and UCX take by binding port 0 cannot race with the ones we pick."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @dataclass
@@ -109,11 +118,18 @@ class Engine:
         log.close()
         return self
 
-    def wait_ready(self, timeout: float = 240.0) -> Engine:
+    def wait_ready(self, timeout: float = 240.0, retries: int = 2) -> Engine:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if retries > 0 and "Address already in use" in self.log_text():
+                    # Another process took a port between our pick and the
+                    # engine's bind: start again on fresh ports.
+                    retries -= 1
+                    self.port, self.side_channel_port = free_port(), free_port()
+                    self.start()
+                    continue
                 raise RuntimeError(f"engine {self.name} exited with {self.proc.returncode}:\n"
                                    + self.log_tail())
             try:
