@@ -119,3 +119,37 @@ def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref
     assert generated(got) == generated(want)
     assert delta(before, after, EXTERNAL) == 0
     assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
+
+
+def test_p_restart_is_detected_and_rehandshaked(fail_engines: dict[str, Engine], d: Engine,
+                                                ref: Engine, model: str) -> None:
+    """P restarts on the same ports with a new engine id: D's cached handshake
+    is not trusted for the new engine, params from before the restart fail
+    cleanly, and the next handoff works, with KV really moved."""
+    p = fail_engines["p"]
+
+    def restart() -> None:
+        p.kill()
+        p.proc.wait(timeout=30)  # type: ignore[union-attr]
+        p.start().wait_ready()
+
+    def handoff(seed: int) -> None:
+        body = completion_body(model, token_prompt(150, seed=seed), max_tokens=6)
+        _, want = ref.post("/v1/completions", body)
+        before = d.metrics()
+        status, got = d.post("/v1/completions", dict(body, kv_transfer_params=prefill(p, body)))
+        after = d.metrics()
+        assert status == 200, got
+        assert generated(got) == generated(want)
+        assert delta(before, after, EXTERNAL) == 150
+
+    restart()
+    handoff(seed=36)  # D handshakes with the new engine
+    stale_body = completion_body(model, token_prompt(150, seed=37), max_tokens=6)
+    stale = prefill(p, stale_body)
+    restart()
+    status, got = d.post("/v1/completions", dict(stale_body, kv_transfer_params=stale))
+    assert status >= 500, got  # fail policy: a clean error, not stale KV
+    assert "unknown to P (P restarted?)" in d.log_text()
+    handoff(seed=38)  # and D recovers without a restart of its own
+    assert d.alive()
