@@ -22,7 +22,9 @@ def _anon_huge_kb() -> int:
 
 def test_collapses_a_faulted_buffer_or_reports_why() -> None:
     size = 16 << 20
-    buf = mmap.mmap(-1, size)
+    # Private anonymous memory, like torch's CPU allocator (a shared mapping
+    # would be shmem, counted elsewhere in smaps).
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.write(b"\x01" * size)  # fault every page in, on small pages, like torch.zeros
     import ctypes
 
