@@ -18,7 +18,7 @@ class ConfigError(ValueError):
     """Invalid ``kv_connector_extra_config``."""
 
 
-TRANSFER_MODES = ("pull",)
+TRANSFER_MODES = ("pull", "push")
 MIN_LEASE_S = 2.0
 NIXL_BACKENDS = ("UCX", "GDS", "GDS_MT", "POSIX", "LIBFABRIC", "OBJ", "MOONCAKE")
 
@@ -35,6 +35,9 @@ class PDConfig:
     #: Seconds D waits for one request's KV (handshake, pin, READs) before
     #: reporting a failed load.
     transfer_timeout: float = 30.0
+    #: Push: seconds D waits from registering its blocks until P's WRITE has
+    #: landed (covers P's queueing and prefill); P posts no WRITE later.
+    push_timeout: float = 60.0
     #: Seconds for one side-channel round trip (handshake, pin).
     handshake_timeout: float = 5.0
     nixl_backends: tuple[str, ...] = ("UCX",)
@@ -88,12 +91,9 @@ class PDConfig:
 def _choice(choices: tuple[str, ...]) -> Any:
     def check(key: str, raw: Any) -> str:
         if raw not in choices:
-            hint = ""
-            if key == "transfer_mode" and raw == "push":
-                hint = " (push mode is not in this release)"
             raise ConfigError(
                 f"kv_connector_extra_config.{key}={raw!r}: accepted values: "
-                f"{', '.join(choices)}{hint}"
+                f"{', '.join(choices)}"
             )
         return str(raw)
 
@@ -162,6 +162,7 @@ _VALIDATORS: dict[str, Any] = {
     "lease_duration": _positive,
     "heartbeat_interval": _positive,
     "transfer_timeout": _positive,
+    "push_timeout": _positive,
     "handshake_timeout": _positive,
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,

@@ -13,6 +13,8 @@ Lifecycle of one lease (keyed by P's request id, which D learns as
    READING. A pin is refused once the lease has expired.
 3. ``release`` by each of D's ``num_consumers`` ranks when their READs are
    done (or failed, or were not needed): state RELEASED once all ranks did.
+   Push mode: ``hold`` when P's own WRITE is ordered (the lease then never
+   expires), and each P rank ``release``-s when its WRITE settled.
 4. ``sweep`` (every P scheduler step) returns released and expired ids and
    forgets them; the caller then frees their blocks exactly once. Expired ids
    are remembered in a bounded tombstone set so that a late message can be
@@ -38,6 +40,8 @@ from vllm_pd_ext.protocol import LEASE_EXPIRED, LEASE_UNKNOWN
 class LeaseState(enum.Enum):
     HELD = "held"
     READING = "reading"
+    #: Push: P's own WRITE reads the blocks; never expires (P settles it).
+    WRITING = "writing"
     RELEASED = "released"
 
 
@@ -108,6 +112,15 @@ class LeaseTable:
             lease.state = LeaseState.READING
         return lease.expiry - now
 
+    def hold(self, request_id: str) -> bool:
+        """Push: P's WRITE from these blocks is ordered. The lease no longer
+        expires; only ``release`` by every rank ends it. False if unknown."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.state is LeaseState.RELEASED:
+            return False
+        lease.state = LeaseState.WRITING
+        return True
+
     def release(self, request_id: str, rank: int = 0, ok: bool = True) -> bool:
         """Record that ``rank`` is done; True when the lease is now fully released."""
         lease = self._leases.get(request_id)
@@ -128,7 +141,7 @@ class LeaseTable:
         for rid, lease in list(self._leases.items()):
             if lease.state is LeaseState.RELEASED:
                 released.append(rid)
-            elif lease.expiry <= now:
+            elif lease.expiry <= now and lease.state is not LeaseState.WRITING:
                 expired.append(rid)
                 self._remember_expired(rid)
             else:

@@ -25,11 +25,25 @@ class RecvSpec:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class PushRecvSpec:
+    """One D request whose prompt KV P will write into ``local_block_ids``."""
+
+    request_id: str
+    pd_request_id: str
+    local_block_ids: list[int]
+    num_tokens: int
+
+
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     #: D: requests whose load fails before any transfer: id -> (FailureReason value, why).
     reqs_to_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: D, push: requests whose blocks P will write.
+    push_recv: list[PushRecvSpec] = field(default_factory=list)
+    #: D, push: waits that ended without the KV; no WRITE can land any more.
+    push_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,3 +51,5 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     """Worker -> scheduler at startup: what the side channel serves."""
 
     agent: AgentInfo
+    #: Push producers: the worker's write-order socket (tcp://127.0.0.1:port).
+    order_endpoint: str | None = None

@@ -26,6 +26,9 @@ class FailureReason(enum.Enum):
     TRANSFER = "transfer_error"
     TIMEOUT = "timeout"
     LAYOUT = "layout_mismatch"
+    #: Push: the request ended on D before its KV landed; not a failure, the
+    #: report only lets vLLM free the registered blocks.
+    ABORTED = "aborted"
 
 
 @dataclass

@@ -8,6 +8,7 @@ Protocol version history (feeds the compatibility hash, so engines running
 different versions refuse each other at the handshake):
 
 - 1: pull mode; handshake with per-rank region layout; lease renew/acquire/release.
+- 2: push mode (``PushRegister`` / ``PushAbort`` / ``PushResult``, P's ``WriteOrder``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: ``LeaseStatus.remaining_s`` sentinels.
 LEASE_UNKNOWN: Final = -1.0
@@ -53,6 +54,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     pd_ext_probe: bool = False
     pd_request_id: str | None = None
 
+    @property
+    def mode(self) -> str:
+        """``pull`` unless the params say ``push`` (vLLM's own params omit it)."""
+        return self.transfer_mode or "pull"
+
     def flat_remote_block_ids(self) -> list[int]:
         """The single KV-cache group's block ids (we do not support HMA)."""
         ids: list[Any] = list(self.remote_block_ids or [])
@@ -74,6 +80,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _PULL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "pd_request_id")
+TRANSFER_MODES: Final = ("pull", "push")
 
 
 def decode_params(raw: Any) -> KVTransferParams | None:
@@ -90,20 +98,26 @@ def decode_params(raw: Any) -> KVTransferParams | None:
         params = msgspec.convert(raw, KVTransferParams, strict=False)
     except msgspec.ValidationError as exc:
         raise ParamsError(f"kv_transfer_params: {exc}".replace("`$.", "`")) from exc
+    if params.transfer_mode not in (None, *TRANSFER_MODES):
+        raise ParamsError(
+            f"kv_transfer_params.transfer_mode={params.transfer_mode!r}: accepted values: "
+            + ", ".join(TRANSFER_MODES)
+        )
+    push_leg = params.do_remote_decode and params.mode == "push" and not params.pd_ext_probe
+    if push_leg and not params.pd_request_id:
+        raise ParamsError("kv_transfer_params: transfer_mode='push' needs pd_request_id")
     if params.do_remote_prefill:
-        missing = [k for k in _PULL_REQUIRED if getattr(params, k) in (None, "")]
+        push = params.mode == "push"
+        required = _PUSH_REQUIRED if push else _PULL_REQUIRED
+        missing = [k for k in required if getattr(params, k) in (None, "")]
         if missing:
             raise ParamsError(
-                "kv_transfer_params: do_remote_prefill needs " + ", ".join(missing)
+                f"kv_transfer_params: do_remote_prefill ({params.mode} mode) needs "
+                + ", ".join(missing)
             )
         if params.remote_port is not None and not 0 < params.remote_port < 65536:
             raise ParamsError(f"kv_transfer_params.remote_port out of range: {params.remote_port}")
-        if params.transfer_mode not in (None, "pull"):
-            raise ParamsError(
-                f"kv_transfer_params.transfer_mode={params.transfer_mode!r}: this engine "
-                "serves 'pull' only"
-            )
-        if not params.flat_remote_block_ids():  # also validates the shape
+        if not push and not params.flat_remote_block_ids():  # also validates the shape
             raise ParamsError("kv_transfer_params.remote_block_ids is empty")
         if params.tp_size < 1:
             raise ParamsError(f"kv_transfer_params.tp_size must be >= 1, got {params.tp_size}")
@@ -210,8 +224,93 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     message: str
 
 
-Request = HandshakeRequest | LeaseRenew | LeaseRelease
-Reply = HandshakeReply | LeaseStatus | Ack | ErrorReply
+class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=True):
+    """D -> P (push): "write the KV of ``pd_request_id`` into these blocks".
+
+    ``block_ids[i]`` receives the prompt's block ``first_block + i``; blocks
+    before ``first_block`` are D's prefix-cache hit and are not written.
+    """
+
+    engine_id: str
+    compat: CompatInfo
+    #: The P engine id D was told about; a restarted P refuses the registration.
+    expect_engine_id: str
+    pd_request_id: str
+    request_id: str
+    notify_host: str
+    notify_port: int
+    agents: list[AgentInfo]
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int
+    #: P posts no WRITE later than this many seconds after receipt.
+    ttl_s: float
+
+
+class PushAccepted(msgspec.Struct, frozen=True, tag="push_accepted", kw_only=True):
+    engine_id: str
+    #: "waiting" (prefill not finished yet) or "writing".
+    state: str
+
+
+class PushAbort(msgspec.Struct, frozen=True, tag="push_abort", kw_only=True):
+    """D -> P: D will not take the KV of ``pd_request_id`` (any state)."""
+
+    engine_id: str
+    pd_request_id: str
+    reason: str = ""
+
+
+#: ``PushAbortStatus.state``: after which D may reuse its registered blocks.
+ABORT_SAFE_STATES: Final = ("aborted", "unknown", "done", "failed")
+
+
+class PushAbortStatus(msgspec.Struct, frozen=True, tag="push_abort_status"):
+    """``aborted`` / ``unknown`` (no WRITE will ever be posted), ``done`` /
+    ``failed`` (the WRITE settled), or ``in_flight`` (wait: P reports later)."""
+
+    state: str
+
+
+class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):
+    """P's worker -> D: the WRITE for one rank failed and has settled (no
+    byte will land later). Success travels as NIXL's notification instead,
+    ordered after the data."""
+
+    engine_id: str
+    pd_request_id: str
+    tp_rank: int
+    ok: bool
+    detail: str = ""
+
+
+class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
+    """P's scheduler -> one of P's workers: post this WRITE now."""
+
+    pd_request_id: str
+    request_id: str
+    d_engine_id: str
+    d_request_id: str
+    notify_host: str
+    notify_port: int
+    agent: AgentInfo
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    #: ``time.monotonic()`` (host-wide) after which the WRITE must not be posted.
+    post_before: float
+
+
+def push_notif(pd_request_id: str) -> bytes:
+    """The NIXL notification that tells D a WRITE has landed."""
+    return b"pdx:" + pd_request_id.encode()
+
+
+def parse_push_notif(msg: bytes) -> str | None:
+    return msg[4:].decode(errors="replace") if msg.startswith(b"pdx:") else None
+
+
+Request = HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushAbort | PushResult
+Reply = HandshakeReply | LeaseStatus | Ack | ErrorReply | PushAccepted | PushAbortStatus
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
@@ -231,3 +330,15 @@ def decode_request(data: bytes) -> Request:
 def decode_reply(data: bytes) -> Reply:
     msg: Reply = _reply_decoder.decode(data)
     return msg
+
+
+_order_decoder = msgspec.msgpack.Decoder(WriteOrder)
+
+
+def encode_order(order: WriteOrder) -> bytes:
+    return _encoder.encode(order)
+
+
+def decode_order(data: bytes) -> WriteOrder:
+    order: WriteOrder = _order_decoder.decode(data)
+    return order

@@ -21,6 +21,13 @@ once, ``get_num_new_matched_tokens`` asks vLLM to load the prompt tokens D
 does not hold asynchronously, and ``update_state_after_alloc`` pairs D's
 fresh blocks with P's blocks and queues a ``RecvSpec`` for the workers.
 Heartbeats stop when the load is reported finished (or failed).
+
+Push mode (``transfer_mode: push``) reuses the pinning, leases and
+heartbeats, keyed by the proxy's ``pd_request_id`` (P's and D's internal
+ids differ): P's half is ``push_producer.PushProducer`` (match D's
+registration with the finished prefill, order the WRITEs), D's is
+``push_consumer.PushConsumer`` (register the blocks D lacks, bound the
+wait, abort before reusing blocks).
 """
 
 from __future__ import annotations
@@ -29,13 +36,16 @@ import time
 from typing import Any
 
 from vllm_pd_ext import compat
+from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, RecvSpec
+from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PushRecvSpec, RecvSpec
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.protocol import KVTransferParams, ParamsError, decode_params
+from vllm_pd_ext.push_consumer import PushConsumer
+from vllm_pd_ext.push_producer import PushProducer
 from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
 from vllm_pd_ext.stats import PDStats
 
@@ -69,15 +79,33 @@ class PDScheduler:
         self._awaiting: set[str] = set()
         self._pending_recv: list[RecvSpec] = []
         self._pending_fail: dict[str, tuple[str, str]] = {}
+        self.push = cfg.transfer_mode == "push"
+        self.producer: PushProducer | None = None
+        self.consumer: PushConsumer | None = None
+        self._pending_push: list[PushRecvSpec] = []
+        if self.push:
+            self.leases.unknown_heartbeats_expected = True
+            self.producer = PushProducer(self.engine_id, self.compat, self.block_size,
+                                         self.tp_size, self.leases, cfg.handshake_timeout)
+            self.consumer = PushConsumer(self.engine_id, self.compat, self.host, self.port,
+                                         cfg.push_timeout, cfg.handshake_timeout)
 
     # ---------------------------------------------------------------- startup
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         agents = {}
+        orders = {}
         for rank, meta in metadata.items():
             if isinstance(meta, PDHandshakeMetadata):
                 agents[int(rank)] = meta.agent
+                if meta.order_endpoint:
+                    orders[int(rank)] = meta.order_endpoint
+        if self.consumer is not None:
+            self.consumer.agents = [agents[r] for r in sorted(agents)]
+        if self.producer is not None and orders:
+            self.producer.bind_workers(orders)
         self._server = SideChannelServer(
-            self.host, self.port, self.engine_id, self.compat, agents, self.leases)
+            self.host, self.port, self.engine_id, self.compat, agents, self.leases,
+            push=_PushDispatch(self) if self.push else None)
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
@@ -100,13 +128,19 @@ class PDScheduler:
             return
         if params is None or not params.do_remote_prefill:
             return
+        if params.mode != self.cfg.transfer_mode:
+            self._bad_params[rid] = (
+                f"kv_transfer_params.transfer_mode={params.mode!r} but this engine runs "
+                f"transfer_mode={self.cfg.transfer_mode!r} (give P, D and the proxy the same "
+                "transfer_mode)")
+            logger.error("PDConnector: request %s: %s; its KV load will fail", rid,
+                         self._bad_params[rid])
+            return
         self._params[rid] = params
         assert params.remote_host is not None and params.remote_port is not None
-        assert params.remote_request_id is not None
-        self.heartbeats.track(rid, (params.remote_host, params.remote_port),
-                              params.remote_request_id)
-        logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s",
-                    rid, params.remote_request_id, params.remote_engine_id)
+        self.heartbeats.track(rid, (params.remote_host, params.remote_port), _lease_key(params))
+        logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
+                    rid, _lease_key(params), params.remote_engine_id, params.mode)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -131,6 +165,9 @@ class PDScheduler:
             return
         params = self._params[rid]
         endpoint = (str(params.remote_host), int(params.remote_port or 0))
+        if params.mode == "push":
+            self._alloc_push(request, blocks, num_external_tokens, params, endpoint)
+            return
         if num_external_tokens == 0:
             # Everything was in D's prefix cache: P's blocks are not needed.
             self.heartbeats.untrack(rid)
@@ -173,21 +210,62 @@ class PDScheduler:
             num_tokens=num_external_tokens,
         ))
 
+    def _alloc_push(self, request: Any, blocks: Any, num_external_tokens: int,
+                    params: KVTransferParams, endpoint: tuple[str, int]) -> None:
+        """D, push: register the blocks D lacks with P, or tell P it is not needed."""
+        assert self.consumer is not None
+        rid, pd_id = request.request_id, str(params.pd_request_id)
+        if num_external_tokens == 0:
+            self.heartbeats.untrack(rid)
+            self.consumer.abandon(rid, pd_id, endpoint, "prompt fully cached on D")
+            return
+        num_local_hit = request.num_prompt_tokens - num_external_tokens
+        first_block, partial = divmod(num_local_hit, self.block_size)
+        need = -(-request.num_prompt_tokens // self.block_size) - first_block
+        local = compat.new_block_ids(blocks)
+        problem = None
+        if partial:
+            problem = (f"D's prefix-cache hit of {num_local_hit} tokens is not a whole number "
+                       f"of {self.block_size}-token blocks")
+        elif need <= 0 or len(local) < need:
+            problem = (f"block layout mismatch: the prompt needs {need} blocks from P, D "
+                       f"allocated {len(local)}")
+        self._awaiting.add(rid)
+        if problem is not None:
+            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
+            self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)
+            self.heartbeats.untrack(rid)
+            self.consumer.abandon(rid, pd_id, endpoint, "layout mismatch on D")
+            return
+        self._pending_push.append(PushRecvSpec(rid, pd_id, local[:need], num_external_tokens))
+        self.consumer.register(rid, pd_id, endpoint, str(params.remote_engine_id), first_block,
+                               local[:need], request.num_prompt_tokens)
+
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
             self._awaiting.discard(rid)
             self.heartbeats.untrack(rid)
+            if self.consumer is not None:
+                self.consumer.finished(rid)
 
     # ---------------------------------------------------------------- both
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
+        push_fail: dict[str, tuple[str, str]] = {}
+        if self.consumer is not None and self.consumer.num_waiting:
+            push_fail = self.consumer.poll()
+            for rid in push_fail:
+                self.heartbeats.untrack(rid)
         meta = PDConnectorMetadata(
-            reqs_to_recv=self._pending_recv, reqs_to_fail=self._pending_fail)
-        self._pending_recv, self._pending_fail = [], {}
+            reqs_to_recv=self._pending_recv, reqs_to_fail=self._pending_fail,
+            push_recv=self._pending_push, push_fail=push_fail)
+        self._pending_recv, self._pending_fail, self._pending_push = [], {}, []
         self._sweep()
         return meta
 
     def _sweep(self) -> list[str]:
         """Unpin the blocks of released and expired leases (scheduler thread only)."""
+        if self.producer is not None:
+            self.producer.sweep()
         with self.leases.lock:
             if not len(self.leases.table):
                 return []
@@ -196,6 +274,9 @@ class PDScheduler:
             logger.warning("PDConnector: lease of request %s expired after %.1f s without "
                            "release by D; freeing its blocks", rid, self.cfg.lease_duration)
         self._stats.inc("num_lease_expiries", len(result.expired))
+        if self.producer is not None:
+            for rid in result.expired:
+                self.producer.forget_prefill(rid)
         freed = result.released + result.expired
         for rid in freed:
             # Tail first, as vLLM frees a request's blocks: the prefix stays
@@ -242,19 +323,33 @@ class PDScheduler:
         if self._block_pool is None:
             raise RuntimeError("PDConnector: vLLM did not bind its block pool "
                                "(bind_gpu_block_pool); this vLLM version is not supported")
+        if params.mode != self.cfg.transfer_mode:
+            logger.error("PDConnector: prefill %s asks for transfer_mode=%r but this engine runs "
+                         "%r; blocks freed, no KV handed over", rid, params.mode,
+                         self.cfg.transfer_mode)
+            return False, None
+        key = _lease_key(params) if self.push else rid
         blocks = [self._block_pool.blocks[i] for i in block_ids]
-        self._block_pool.touch(blocks)
-        self._pinned[rid] = blocks
         with self.leases.lock:
-            expiry = self.leases.table.grant(rid, num_consumers=self.tp_size)
+            try:
+                expiry = self.leases.table.grant(key, num_consumers=self.tp_size)
+            except KeyError:
+                logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
+                             "blocks freed, no KV handed over", rid, key)
+                return False, None
+        self._block_pool.touch(blocks)
+        self._pinned[key] = blocks
         self._stats.inc("num_leases_granted")
         logger.info("PDConnector: prefill %s done; lease on %d blocks for %.0f s",
                     rid, len(block_ids), self.cfg.lease_duration)
+        if self.producer is not None:
+            self.producer.prefill_done(key, rid, list(block_ids),
+                                       int(request.num_computed_tokens))
         # vLLM drops its own references now; ours keep the blocks until _sweep.
         return False, dict(
             identity,
             remote_block_ids=[list(block_ids)],
-            remote_request_id=rid,
+            remote_request_id=key,
             remote_num_tokens=int(request.num_computed_tokens),
             remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
         )
@@ -262,6 +357,18 @@ class PDScheduler:
     def _finish_consumer(self, rid: str) -> tuple[bool, None]:
         params = self._params.pop(rid, None)
         self._bad_params.pop(rid, None)
+        if params is not None and params.mode == "push":
+            assert self.consumer is not None
+            if rid in self._awaiting or rid not in self._processed:
+                # vLLM keeps blocks of a request that waits for remote KV until
+                # the worker reports it; the consumer reports it only once P
+                # said no WRITE can land any more.
+                self.heartbeats.untrack(rid)
+                self.consumer.abandon(rid, str(params.pd_request_id),
+                                      (str(params.remote_host), int(params.remote_port or 0)),
+                                      "request ended on D")
+            self._processed.discard(rid)
+            return False, None
         if rid not in self._processed and params is not None:
             # Ended before its load was scheduled (abort, rejection): free P now.
             self.heartbeats.untrack(rid)
@@ -274,6 +381,12 @@ class PDScheduler:
         return False, None
 
     def get_kv_connector_stats(self) -> PDStats | None:
+        if self.producer is not None:
+            for wait in self.producer.take_registration_waits():
+                self._stats.data["registration_wait_seconds"].append(wait)
+            expired = self.producer.num_expired_registrations
+            self._stats.inc("num_registration_expiries", expired)
+            self.producer.num_expired_registrations -= expired
         hb = self.leases.num_heartbeats
         late = self.leases.num_late_messages
         self._stats.inc("num_heartbeats", hb - self._reported_heartbeats)
@@ -287,5 +400,35 @@ class PDScheduler:
 
     def shutdown(self) -> None:
         self.heartbeats.close()
+        if self.producer is not None:
+            self.producer.close()
+        if self.consumer is not None:
+            self.consumer.close()
         if self._server is not None:
             self._server.close()
+
+
+def _lease_key(params: KVTransferParams) -> str:
+    """The id both engines know: the proxy's ``pd_request_id`` in push mode,
+    P's request id (``remote_request_id``) in pull mode."""
+    if params.mode == "push":
+        return str(params.pd_request_id)
+    return str(params.remote_request_id)
+
+
+class _PushDispatch:
+    """Routes push side-channel messages to this engine's half."""
+
+    def __init__(self, sched: PDScheduler) -> None:
+        self.sched = sched
+
+    def handle(self, msg: proto.Request) -> proto.Reply:
+        if isinstance(msg, proto.PushResult):
+            assert self.sched.consumer is not None
+            return self.sched.consumer.on_result(msg)
+        assert self.sched.producer is not None
+        return self.sched.producer.handle(msg)
+
+    def on_release(self, msg: proto.LeaseRelease) -> None:
+        if self.sched.producer is not None:
+            self.sched.producer.on_release(msg)

@@ -1,8 +1,9 @@
 """The side channel: a pyzmq ROUTER in each engine's scheduler process.
 
 Role: serves this engine's handshake (NIXL agent metadata, KV layout,
-compatibility info) and the lease protocol (renew / acquire / release) to
-peers. One daemon thread, started when the workers' metadata is known
+compatibility info), the lease protocol (renew / acquire / release) and, in
+push mode, registrations, aborts and WRITE results to peers. One daemon
+thread, started when the workers' metadata is known
 (``set_xfer_handshake_metadata``), stopped by ``close``. Every message is
 decoded once by ``protocol.decode_request``; garbage gets an ``ErrorReply``
 naming the problem and the thread keeps serving.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -43,6 +45,9 @@ class LeaseService:
         self.lock = threading.Lock()
         self.num_heartbeats = 0
         self.num_late_messages = 0
+        #: Push: D heartbeats from arrival, usually before P's prefill has
+        #: finished, so an unknown id is normal there.
+        self.unknown_heartbeats_expected = False
 
     def renew(self, msg: proto.LeaseRenew) -> proto.LeaseStatus:
         with self.lock:
@@ -50,6 +55,9 @@ class LeaseService:
             if not msg.acquire:
                 self.num_heartbeats += len(msg.request_ids)
         for rid, left in zip(msg.request_ids, remaining, strict=True):
+            if (left == proto.LEASE_UNKNOWN and not msg.acquire
+                    and self.unknown_heartbeats_expected):
+                continue
             if left < 0:
                 self.num_late_messages += 1
                 logger.warning(
@@ -71,6 +79,14 @@ class LeaseService:
         return proto.Ack()
 
 
+class PushHandler(Protocol):
+    """Push-mode messages: P's producer half, or D's consumer half."""
+
+    def handle(self, msg: proto.Request) -> proto.Reply: ...
+
+    def on_release(self, msg: proto.LeaseRelease) -> None: ...
+
+
 class SideChannelServer:
     """ROUTER socket + daemon thread answering handshakes and lease messages."""
 
@@ -82,8 +98,10 @@ class SideChannelServer:
         compat: proto.CompatInfo,
         agents: dict[int, proto.AgentInfo],
         leases: LeaseService | None,
+        push: PushHandler | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.push = push
         self.compat = compat
         self.agents = agents
         self.leases = leases
@@ -154,11 +172,26 @@ class SideChannelServer:
             logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
                         msg.tp_rank)
             return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
+        if isinstance(msg, (proto.PushRegister, proto.PushAbort, proto.PushResult)):
+            if isinstance(msg, proto.PushRegister):
+                diff = self.compat.diff(msg.compat)
+                if diff:
+                    logger.error("PDConnector: refused push registration from engine %s: "
+                                 "incompatible %s", msg.engine_id, "; ".join(diff))
+                    return proto.ErrorReply("incompatible",
+                                            "incompatible peer: " + "; ".join(diff))
+            if self.push is None:
+                return proto.ErrorReply(
+                    "not_push", f"engine {self.engine_id} does not run transfer_mode='push'")
+            return self.push.handle(msg)
         if self.leases is None:
             return proto.ErrorReply("not_producer", f"engine {self.engine_id} holds no leases")
         if isinstance(msg, proto.LeaseRenew):
             return self.leases.renew(msg)
-        return self.leases.release(msg)
+        reply = self.leases.release(msg)
+        if self.push is not None:
+            self.push.on_release(msg)
+        return reply
 
     def close(self) -> None:
         self._stop.set()

@@ -23,8 +23,12 @@ COUNTERS = (
     "num_heartbeats",
     "num_leases_granted",
     "num_late_messages",
+    "num_writes",
+    "bytes_written",
+    "num_registration_expiries",
 )
-SERIES = ("transfer_seconds", "wait_seconds")
+SERIES = ("transfer_seconds", "wait_seconds", "write_seconds", "descriptors_per_write",
+          "registration_wait_seconds")
 
 
 def _empty() -> dict[str, Any]:
@@ -52,6 +56,21 @@ class PDStats(KVConnectorStats):
         self.data["transfer_seconds"].append(seconds)
         self.data["wait_seconds"].append(wait_seconds)
 
+    def record_landed(self, nbytes: int, nblocks: int, wait_seconds: float) -> None:
+        """D, push: a WRITE's notification arrived."""
+        self.data["num_transfers"] += 1
+        self.data["bytes_transferred"] += nbytes
+        self.data["num_blocks"] += nblocks
+        self.data["wait_seconds"].append(wait_seconds)
+
+    def record_write(self, nbytes: int, ndescs: int, nblocks: int, seconds: float) -> None:
+        """P, push: one WRITE completed."""
+        self.data["num_writes"] += 1
+        self.data["bytes_written"] += nbytes
+        self.data["num_descriptors"] += ndescs
+        self.data["write_seconds"].append(seconds)
+        self.data["descriptors_per_write"].append(ndescs)
+
     def inc(self, key: str, n: int = 1) -> None:
         self.data[key] += n
 
@@ -64,13 +83,14 @@ class PDStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data[k] for k in COUNTERS if self.data[k]}
-        secs = sorted(self.data["transfer_seconds"])
+        secs = sorted(self.data["transfer_seconds"] or self.data["write_seconds"])
         if secs:
             out["transfer_p50_ms"] = round(secs[len(secs) // 2] * 1e3, 3)
             out["transfer_max_ms"] = round(secs[-1] * 1e3, 3)
             total = sum(secs)
             if total > 0:
-                out["throughput_GBps"] = round(self.data["bytes_transferred"] / total / 1e9, 3)
+                moved = self.data["bytes_transferred"] or self.data["bytes_written"]
+                out["throughput_GBps"] = round(moved / total / 1e9, 3)
         return out
 
     def is_empty(self) -> bool:
@@ -88,6 +108,8 @@ class PDStats(KVConnectorStats):
 _TIME_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
                  5, 10, 30, 60]
 
+_COUNT_BUCKETS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]
+
 
 class PDPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
@@ -100,9 +122,9 @@ class PDPromMetrics(KVConnectorPromMetrics):
                                        labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
-        def histogram(key: str, doc: str) -> Any:
+        def histogram(key: str, doc: str, buckets: list[float] = _TIME_BUCKETS) -> Any:
             metric = self._histogram_cls(  # type: ignore[call-arg]
-                name=f"vllm:pd_ext_{key}", documentation=doc, buckets=_TIME_BUCKETS,
+                name=f"vllm:pd_ext_{key}", documentation=doc, buckets=buckets,
                 labelnames=labelnames)
             return create_metric_per_engine(metric, per_engine_labelvalues)
 
@@ -117,11 +139,25 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "num_leases_granted": counter("leases_granted", "Leases granted (P)."),
             "num_late_messages": counter("late_messages",
                                          "Renew/release for unknown or expired leases (P)."),
+            "num_writes": counter("kv_writes", "Push: KV WRITEs completed (P)."),
+            "bytes_written": counter("kv_bytes_written", "Push: KV bytes written to D (P)."),
+            "num_registration_expiries": counter(
+                "push_registration_expiries",
+                "Push: D registrations whose prefill never finished in time (P)."),
         }
         self.histograms = {
             "transfer_seconds": histogram("kv_transfer_seconds", "READ post to completion (D)."),
             "wait_seconds": histogram("kv_wait_seconds",
                                       "Worker receipt of a request to its KV being ready (D)."),
+            "write_seconds": histogram("kv_write_seconds", "Push: WRITE post to completion (P)."),
+            "registration_wait_seconds": histogram(
+                "push_registration_wait_seconds",
+                "Push: how long the first of D's registration and P's finished prefill "
+                "waited for the other (P)."),
+            "descriptors_per_write": histogram(
+                "push_descriptors_per_write",
+                "Push: descriptors (contiguous runs) per request's WRITE (P).",
+                buckets=_COUNT_BUCKETS),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

@@ -5,6 +5,9 @@ Lifecycle:
 1. ``register_kv_caches``: describe each layer's KV tensor as block regions,
    register the memory with the transport (NIXL: DRAM on CPU, VRAM on GPU)
    and publish ``PDHandshakeMetadata`` for the scheduler's side channel.
+   Push mode: P's workers start a ``Pusher`` (posts the WRITEs its
+   scheduler orders) and D's a ``PushReceiver`` (waits for their
+   notifications); the rest of this docstring is pull mode.
 2. Every step, ``start_load_kv`` takes the scheduler's ``RecvSpec``s and
    advances each receive through a small state machine, never blocking the
    step (side-channel round trips run on a thread pool):
@@ -43,6 +46,8 @@ from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, RecvSpec
 from vllm_pd_ext.policy import FailureReason, LoadReport
+from vllm_pd_ext.push_receiver import PushReceiver
+from vllm_pd_ext.pusher import Pusher
 from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
 from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.transport import Transport, TransportError, XferState
@@ -113,6 +118,10 @@ class PDWorker:
         self._jobs: dict[str, RecvJob] = {}
         self._report = LoadReport()
         self._stats = PDStats()
+        # The push thread records its WRITEs from another thread.
+        self._stats_lock = threading.Lock()
+        self.pusher: Pusher | None = None
+        self.receiver: PushReceiver | None = None
 
     # ------------------------------------------------------------- startup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -141,9 +150,21 @@ class PDWorker:
                         tried >> 20)
         self.transport.register(sorted(ranges.items()), mem_type, device_id)
         kv_cfg = self.vllm_config.kv_transfer_config
-        if (kv_cfg.is_kv_producer and not self.cfg.nixl_progress_thread
+        push = self.cfg.transfer_mode == "push"
+        # The transfer's target must progress for UCX wire-up (and, in push,
+        # to collect notifications): P in pull mode, D in push mode.
+        target = kv_cfg.is_kv_consumer if push else kv_cfg.is_kv_producer
+        if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
             self.transport.start_progress_pump(self.cfg.nixl_progress_interval_ms / 1e3)
+        if push and kv_cfg.is_kv_producer:
+            own = (self.cfg.side_channel_host,
+                   compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
+            self.pusher = Pusher(self.engine_id, self.tp_rank, self.transport, self.regions,
+                                 own, self.cfg.transfer_timeout, self.cfg.handshake_timeout,
+                                 on_write=self._record_write)
+        if push and kv_cfg.is_kv_consumer:
+            self.receiver = PushReceiver(self.transport)
         self.agent = proto.AgentInfo(
             tp_rank=self.tp_rank, agent_name=self.transport.agent_name,
             agent_metadata=self.transport.metadata(), mem_type=mem_type, device_id=device_id,
@@ -160,7 +181,11 @@ class PDWorker:
         return int(t.shape[1] if t.shape[0] == 2 and t.dim() == 5 else t.shape[0])
 
     def get_handshake_metadata(self) -> PDHandshakeMetadata | None:
-        return PDHandshakeMetadata(agent=self.agent) if self.agent is not None else None
+        if self.agent is None:
+            return None
+        return PDHandshakeMetadata(
+            agent=self.agent,
+            order_endpoint=self.pusher.endpoint if self.pusher is not None else None)
 
     # ------------------------------------------------------------- per step
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:
@@ -172,6 +197,13 @@ class PDWorker:
                 self._jobs[spec.request_id] = RecvJob(
                     spec, arrived=now, deadline=now + self.cfg.transfer_timeout)
                 self._start_handshake(spec)
+            if self.receiver is not None:
+                for push_spec in meta.push_recv:
+                    self.receiver.expect(push_spec, now)
+                for rid, (reason, why) in meta.push_fail.items():
+                    # Already reported as landed: never report a request twice.
+                    if self.receiver.drop(rid):
+                        self._fail_now(rid, [], FailureReason(reason), why)
         if self._jobs:
             self._advance()
 
@@ -388,6 +420,12 @@ class PDWorker:
 
     def _fail_now(self, rid: str, block_ids: list[int], reason: FailureReason,
                   detail: str) -> None:
+        if reason is FailureReason.ABORTED:
+            # The request already ended; reporting it lets vLLM free the blocks.
+            self._report.add_failed(rid, block_ids)
+            logger.info("PDConnector: request %s ended before its KV arrived (%s); P confirmed "
+                        "no WRITE can land, releasing its blocks", rid, detail)
+            return
         self._stats.inc("num_failures")
         self._report.add_failed(rid, block_ids)
         logger.error("PDConnector: KV load for request %s failed (%s): %s; "
@@ -411,19 +449,37 @@ class PDWorker:
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         if self._jobs:
             self._advance()
+        if self.receiver is not None and self.receiver.num_waiting:
+            block_bytes = sum(r.block_len for r in self.regions)
+            for landed in self.receiver.collect(time.monotonic()):
+                spec = landed.spec
+                self._report.add_done(spec.request_id)
+                nbytes = block_bytes * len(spec.local_block_ids)
+                with self._stats_lock:
+                    self._stats.record_landed(nbytes, len(spec.local_block_ids), landed.wait_s)
+                logger.info("PDConnector: request %s received %d tokens (%d B) pushed for %s; "
+                            "waited %.2f ms", spec.request_id, spec.num_tokens, nbytes,
+                            spec.pd_request_id, landed.wait_s * 1e3)
         report, self._report = self._report, LoadReport()
         # P's blocks are pinned and freed by the scheduler half, so nothing is
         # ever reported in finished_sending.
         return set(), report.finished_recving, report.failed_recving
 
+    def _record_write(self, nbytes: int, ndescs: int, nblocks: int, seconds: float) -> None:
+        with self._stats_lock:
+            self._stats.record_write(nbytes, ndescs, nblocks, seconds)
+
     def get_kv_connector_stats(self) -> PDStats | None:
-        return self._stats.take()
+        with self._stats_lock:
+            return self._stats.take()
 
     @property
     def num_in_flight(self) -> int:
         return len(self._jobs)
 
     def shutdown(self) -> None:
+        if self.pusher is not None:
+            self.pusher.close()
         self._io.shutdown(wait=False, cancel_futures=True)
         self._poster.shutdown(wait=True)
         if self.transport is not None:

@@ -248,8 +248,11 @@ class Forwarder:
         prefill, identity = await self._pick_push_prefill(ctx)
         decode = decode or self._pick_decode(ctx)
         rid = ctx.request_id
-        p_body = _encode(prefill_body(body, push_prefill_params(rid)))
-        d_body = _encode(decode_body(body, push_decode_params(identity, rid)))
+        # The key both engines file the push under: unique per dispatch even
+        # when clients reuse an X-Request-Id (a duplicate key is refused).
+        pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+        p_body = _encode(prefill_body(body, push_prefill_params(pd_id)))
+        d_body = _encode(decode_body(body, push_decode_params(identity, pd_id)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
         p_task = asyncio.ensure_future(self._prefill_leg(ctx, prefill, p_body, headers))
         try:

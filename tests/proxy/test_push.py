@@ -28,6 +28,9 @@ async def test_push_leg_shapes_and_probe(engines, proxy):
     }
     (p_leg,) = p.legs()
     rid = p_leg.headers["X-Request-Id"]
+    pd_id = p_leg.body["kv_transfer_params"]["pd_request_id"]
+    # Unique per dispatch, traceable to the request id.
+    assert pd_id.startswith(rid + "-") and len(pd_id) == len(rid) + 9
     assert p_leg.body == {
         "model": "m",
         "prompt": "hi",
@@ -37,7 +40,7 @@ async def test_push_leg_shapes_and_probe(engines, proxy):
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "transfer_mode": "push",
-            "pd_request_id": rid,
+            "pd_request_id": pd_id,
         },
     }
     (d_leg,) = d.legs()
@@ -51,8 +54,8 @@ async def test_push_leg_shapes_and_probe(engines, proxy):
             "remote_host": "127.0.0.1",
             "remote_port": 5600,
             "tp_size": 2,
-            "remote_request_id": rid,
-            "pd_request_id": rid,
+            "remote_request_id": pd_id,
+            "pd_request_id": pd_id,
             "transfer_mode": "push",
         },
     }

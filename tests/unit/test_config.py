@@ -118,8 +118,12 @@ def test_lease_below_minimum_refused():
     assert PDConfig.from_extra_config({"lease_duration": MIN_LEASE_S}).lease_duration == MIN_LEASE_S
 
 
-def test_push_refused_with_hint():
+def test_push_mode_accepted_and_unknown_mode_refused():
+    cfg = PDConfig.from_extra_config({"transfer_mode": "push", "push_timeout": 12})
+    assert cfg.transfer_mode == "push" and cfg.push_timeout == 12.0
     with pytest.raises(ConfigError) as err:
-        PDConfig.from_extra_config({"transfer_mode": "push"})
+        PDConfig.from_extra_config({"transfer_mode": "shove"})
     msg = str(err.value)
-    assert "transfer_mode" in msg and "pull" in msg and "not in this release" in msg
+    assert "transfer_mode='shove'" in msg and "pull, push" in msg
+    with pytest.raises(ConfigError, match="push_timeout"):
+        PDConfig.from_extra_config({"push_timeout": 0})

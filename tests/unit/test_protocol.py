@@ -123,9 +123,23 @@ def test_block_ids_empty_refused(ids):
         decode_params(pull_params(remote_block_ids=ids))
 
 
-def test_push_mode_refused():
-    with pytest.raises(ParamsError, match=r"transfer_mode='push'.*pull"):
-        decode_params(pull_params(transfer_mode="push"))
+def test_unknown_mode_refused():
+    with pytest.raises(ParamsError, match=r"transfer_mode='shove'.*pull, push"):
+        decode_params(pull_params(transfer_mode="shove"))
+
+
+def test_push_decode_params_need_no_block_ids_but_pd_request_id():
+    base = {"do_remote_prefill": True, "transfer_mode": "push", "remote_engine_id": "p",
+            "remote_host": "127.0.0.1", "remote_port": 5600, "pd_request_id": "x1"}
+    params = decode_params(base)
+    assert params is not None and params.mode == "push" and params.pd_request_id == "x1"
+    with pytest.raises(ParamsError, match=r"push mode\) needs pd_request_id"):
+        decode_params({k: v for k, v in base.items() if k != "pd_request_id"})
+    with pytest.raises(ParamsError, match="needs pd_request_id"):
+        decode_params({"do_remote_decode": True, "transfer_mode": "push"})
+    probe = decode_params({"do_remote_decode": True, "transfer_mode": "push",
+                           "pd_ext_probe": True})
+    assert probe is not None and probe.pd_ext_probe
 
 
 def test_pull_mode_explicit_ok():

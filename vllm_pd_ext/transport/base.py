@@ -10,11 +10,14 @@ Contract (who calls what, in which order):
    returns a handle; ``poll(handle)`` drives progress and returns the state;
    ``release(handle)`` frees the handle and returns False if the transfer
    may still be in flight (the caller must then keep the destination blocks
-   and poll again later).
+   and poll again later). ``post_write`` (push mode) is the mirror image and
+   delivers ``notif`` to the peer after the data; the peer collects it with
+   ``take_notifs``.
 5. ``close()`` at worker shutdown.
 
-All calls come from the worker's main thread (the engine step); no
-implementation needs to be thread-safe.
+Calls come from the engine step, the poster thread (pull), the push thread
+(push) and the progress pump; the NIXL implementation runs its agent in
+NIXL's strict thread-safe mode.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post_read(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int) -> Any:
         """Start reading ``(local_addr, remote_addr, nbytes)`` ranges from ``peer``."""
+
+    @abc.abstractmethod
+    def post_write(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int,
+                   notif: bytes) -> Any:
+        """Start writing ``(local_addr, remote_addr, nbytes)`` ranges to ``peer``;
+        ``notif`` reaches the peer after the data."""
+
+    @abc.abstractmethod
+    def take_notifs(self) -> list[bytes]:
+        """Notifications received since the last call (any peer)."""
 
     @abc.abstractmethod
     def poll(self, handle: Any) -> XferState: ...

@@ -29,6 +29,8 @@ class _Xfer:
     peer: str
     descs: list[Descriptor]
     polls_left: int
+    write: bool = False
+    notif: bytes = b""
     state: XferState = XferState.PROC
 
 
@@ -50,6 +52,7 @@ class FakeTransport(Transport):
         self.num_posts = 0
         self.num_descriptors = 0
         self.live_handles: dict[int, _Xfer] = {}
+        self.notifs: list[bytes] = []
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, device_id: int) -> None:
         self.regions.extend(regions)
@@ -72,21 +75,34 @@ class FakeTransport(Transport):
             raise TransportError(f"range {addr:#x}+{n} is not registered")
 
     def post_read(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int) -> Any:
+        return self._post(peer, descs, write=False, notif=b"")
+
+    def post_write(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int,
+                   notif: bytes) -> Any:
+        return self._post(peer, descs, write=True, notif=notif)
+
+    def _post(self, peer: str, descs: Sequence[Descriptor], write: bool, notif: bytes) -> Any:
         if peer not in self.peers:
             raise TransportError(f"unknown peer {peer!r}")
         if self.post_delay:
             time.sleep(self.post_delay)
         if self.fail_post:
             raise TransportError("fake: post failed")
-        remote = self.fabric.agents[peer]
+        remote = self.fabric.agents.get(peer)
+        if remote is None:
+            raise TransportError(f"fake peer {peer!r} is gone")
         for loc, rem, n in descs:
             self._check(loc, n, self.regions)
             self._check(rem, n, remote.regions)
         handle = next(self._ids)
-        self.live_handles[handle] = _Xfer(peer, list(descs), self.cycles_to_done)
+        self.live_handles[handle] = _Xfer(peer, list(descs), self.cycles_to_done, write, notif)
         self.num_posts += 1
         self.num_descriptors += len(descs)
         return handle
+
+    def take_notifs(self) -> list[bytes]:
+        out, self.notifs = self.notifs, []
+        return out
 
     def poll(self, handle: Any) -> XferState:
         x = self.live_handles[handle]
@@ -96,8 +112,14 @@ class FakeTransport(Transport):
             x.polls_left -= 1
             if x.polls_left <= 0:
                 for loc, rem, n in x.descs:
-                    ctypes.memmove(loc, rem, n)
+                    if x.write:
+                        ctypes.memmove(rem, loc, n)
+                    else:
+                        ctypes.memmove(loc, rem, n)
                 x.state = XferState.DONE
+                peer = self.fabric.agents.get(x.peer)
+                if x.write and x.notif and peer is not None:
+                    peer.notifs.append(x.notif)
         return x.state
 
     def release(self, handle: Any) -> bool:

@@ -47,6 +47,8 @@ class NixlTransport(Transport):
         self._reg: list[Any] = []
         self._mem_type = "DRAM"
         self._device_id = 0
+        self._notifs: list[bytes] = []
+        self._notif_lock = threading.Lock()
         self._pump_stop = threading.Event()
         self._pump: threading.Thread | None = None
 
@@ -64,12 +66,28 @@ class NixlTransport(Transport):
         def run() -> None:
             while not self._pump_stop.wait(interval_s):
                 try:
-                    self._agent.get_new_notifs()
+                    self._collect_notifs()
                 except Exception as exc:  # keep pumping; log once per burst
                     logger.debug("NIXL progress pump: %s", exc)
 
         self._pump = threading.Thread(target=run, name="pd-nixl-progress", daemon=True)
         self._pump.start()
+
+    def _collect_notifs(self) -> None:
+        new = self._agent.get_new_notifs()
+        if new:
+            with self._notif_lock:
+                for msgs in new.values():
+                    self._notifs.extend(bytes(m) for m in msgs)
+
+    def take_notifs(self) -> list[bytes]:
+        try:
+            self._collect_notifs()
+        except Exception as exc:
+            logger.warning("NIXL get_new_notifs failed: %s", exc)
+        with self._notif_lock:
+            out, self._notifs = self._notifs, []
+        return out
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, device_id: int) -> None:
         self._mem_type = mem_type
@@ -97,19 +115,27 @@ class NixlTransport(Transport):
             logger.debug("NIXL remove_remote_agent(%s): %s", peer, exc)
 
     def post_read(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int) -> Any:
+        return self._post("READ", peer, descs, remote_device_id, b"")
+
+    def post_write(self, peer: str, descs: Sequence[Descriptor], remote_device_id: int,
+                   notif: bytes) -> Any:
+        return self._post("WRITE", peer, descs, remote_device_id, notif)
+
+    def _post(self, op: str, peer: str, descs: Sequence[Descriptor], remote_device_id: int,
+              notif: bytes) -> Any:
         local = [(loc, n, self._device_id) for loc, _, n in descs]
         remote = [(rem, n, remote_device_id) for _, rem, n in descs]
         try:
             ldl = self._agent.get_xfer_descs(local, self._mem_type)
             rdl = self._agent.get_xfer_descs(remote, self._mem_type)
-            handle = self._agent.initialize_xfer("READ", ldl, rdl, peer, b"")
+            handle = self._agent.initialize_xfer(op, ldl, rdl, peer, notif)
         except Exception as exc:
-            raise TransportError(f"NIXL could not prepare a READ from {peer}: {exc}") from exc
+            raise TransportError(f"NIXL could not prepare a {op} with {peer}: {exc}") from exc
         try:
             self._agent.transfer(handle)
         except Exception as exc:
             if self.release(handle):
-                raise TransportError(f"NIXL could not post a READ from {peer}: {exc}") from exc
+                raise TransportError(f"NIXL could not post a {op} with {peer}: {exc}") from exc
             # The handle may still be live: let poll() report ERR and the
             # caller keep the blocks until release succeeds.
             logger.warning("NIXL transfer() raised and the handle is still live: %s", exc)

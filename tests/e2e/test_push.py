@@ -1,0 +1,331 @@
+"""Push mode on real engines, through ``vllm-pd-proxy --transfer-mode push``.
+
+The pull suite's guarantees (tokens equal the collocated engine's at
+temperature 0; D's external-KV count and byte counters show the KV moved;
+prefix hits move only the missing blocks) must hold with both legs
+dispatched concurrently, and no block may stay held on either engine
+after any test (checked after every test).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.helpers import (
+    BLOCK_SIZE,
+    EXTERNAL,
+    KV_BYTES,
+    TINY_BLOCK_BYTES,
+    TINY_LAYERS,
+    blocks_for,
+    completion_body,
+    delta,
+    generated,
+    log_dir,
+    poke,
+    stream_text,
+    token_prompt,
+)
+from vllm_pd_ext.testing.engines import Engine, Proxy, running
+
+pytestmark = pytest.mark.engine
+
+WRITES = "vllm:pd_ext_kv_writes_total"
+BYTES_WRITTEN = "vllm:pd_ext_kv_bytes_written_total"
+BLOCK = TINY_LAYERS * TINY_BLOCK_BYTES
+P_LEASE_S = 4.0
+D_PUSH_TIMEOUT_S = 8.0
+D_SIDE_CHANNEL_TIMEOUT_S = 2.0
+#: D gives up on a push this long after registering (see PushConsumer).
+D_DEADLINE_S = D_PUSH_TIMEOUT_S + D_SIDE_CHANNEL_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def push(model: str) -> Iterator[dict[str, Any]]:
+    logs = log_dir("push")
+    engs = {
+        "p": Engine("p-push", model, logs, role="kv_producer", cpu_bind="0",
+                    extra_config={"transfer_mode": "push", "lease_duration": P_LEASE_S}),
+        "d": Engine("d-push", model, logs, role="kv_consumer", cpu_bind="1",
+                    failure_policy="fail",
+                    extra_config={"transfer_mode": "push", "push_timeout": D_PUSH_TIMEOUT_S,
+                                  "handshake_timeout": D_SIDE_CHANNEL_TIMEOUT_S}),
+    }
+    with running(*engs.values()):
+        proxy = Proxy([engs["p"].url], [engs["d"].url], logs,
+                      args=["--transfer-mode", "push"]).start()
+        try:
+            proxy.wait_ready()
+            yield dict(engs, proxy=proxy)
+        finally:
+            proxy.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_block_leaked(push: dict[str, Any], model: str) -> Iterator[None]:
+    yield
+    p, d = push["p"], push["d"]
+    assert p.alive() and d.alive()
+    deadline = time.monotonic() + 15
+    while True:
+        poke(p, model)  # an idle P frees released leases when a request arrives
+        usage = (p.metrics()["vllm:kv_cache_usage_perc"], d.metrics()["vllm:kv_cache_usage_perc"])
+        if usage == (0.0, 0.0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert usage == (0.0, 0.0), f"blocks held after the test (P, D usage): {usage}"
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
+def d_params(p: Engine, pd_id: str, engine_id: str) -> dict[str, Any]:
+    """What the proxy gives D's leg in push mode."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
+            "remote_engine_id": engine_id, "remote_host": "127.0.0.1",
+            "remote_port": p.side_channel_port, "tp_size": 1, "remote_request_id": pd_id,
+            "pd_request_id": pd_id}
+
+
+def p_params(pd_id: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "push",
+            "pd_request_id": pd_id}
+
+
+def p_metrics(p: Engine, model: str) -> dict[str, float]:
+    """P's metrics, after one request: an idle P does not step, and vLLM
+    collects connector stats (the push thread's WRITEs) only with a step."""
+    poke(p, model)
+    return p.metrics()
+
+
+def engine_id(p: Engine) -> str:
+    probe = {"do_remote_decode": True, "pd_ext_probe": True, "transfer_mode": "push"}
+    status, body = p.post("/v1/completions", {"model": p.model, "prompt": [5, 6, 7],
+                                              "max_tokens": 1, "kv_transfer_params": probe})
+    assert status == 200, body
+    return str(body["kv_transfer_params"]["remote_engine_id"])
+
+
+CASES = {
+    "shorter_than_a_block": 37,
+    "exactly_one_block": BLOCK_SIZE,
+    "several_blocks": 3 * BLOCK_SIZE,
+    "partial_last_block": 2 * BLOCK_SIZE + 77,
+}
+
+
+@pytest.mark.parametrize("n_tokens", list(CASES.values()), ids=list(CASES))
+def test_push_matches_collocated_and_moves_kv(ref: Engine, push: dict[str, Any], model: str,
+                                              n_tokens: int) -> None:
+    p, d, proxy = push["p"], push["d"], push["proxy"]
+    body = completion_body(model, token_prompt(n_tokens, seed=100 + n_tokens), max_tokens=12)
+    status, want = ref.post("/v1/completions", body)
+    assert status == 200, want
+    p0, d0 = p_metrics(p, model), d.metrics()
+    status, got = post_json(proxy.url + "/v1/completions", body)
+    assert status == 200, got
+    p1, d1 = p_metrics(p, model), d.metrics()
+    assert generated(got) == generated(want)
+    assert delta(d0, d1, EXTERNAL) == n_tokens
+    assert delta(d0, d1, KV_BYTES) == blocks_for(n_tokens) * BLOCK
+    assert delta(p0, p1, WRITES) == 1
+    assert delta(p0, p1, BYTES_WRITTEN) == blocks_for(n_tokens) * BLOCK
+
+
+def test_push_streaming_and_chat_match_collocated(ref: Engine, push: dict[str, Any],
+                                                  model: str) -> None:
+    d, proxy = push["d"], push["proxy"]
+    body = completion_body(model, token_prompt(222, seed=41), max_tokens=16)
+    _, want = ref.post("/v1/completions", body)
+    before = d.metrics()
+    text, events = stream_text(proxy.url + "/v1/completions", body)
+    assert text == generated(want)[0] and events[-1] == "[DONE]"
+    chat = {"model": model, "messages": [{"role": "user", "content": "tell me about blocks"}],
+            "max_tokens": 10, "temperature": 0}
+    _, want_chat = ref.post("/v1/chat/completions", chat)
+    status, got_chat = post_json(proxy.url + "/v1/chat/completions", chat)
+    assert status == 200, got_chat
+    assert generated(got_chat)[0] == generated(want_chat)[0]
+    after = d.metrics()
+    assert delta(before, after, EXTERNAL) == 222 + got_chat["usage"]["prompt_tokens"]
+
+
+def test_partial_prefix_hit_on_d_writes_only_missing_blocks(ref: Engine, push: dict[str, Any],
+                                                            model: str) -> None:
+    """D already holds the first two blocks: P writes exactly the third, into
+    the right block (an off-by-a-block write would change the tokens)."""
+    p, d, proxy = push["p"], push["d"], push["proxy"]
+    shared = token_prompt(2 * BLOCK_SIZE, seed=51)
+    first = completion_body(model, shared + token_prompt(90, seed=52), max_tokens=4)
+    status, _ = post_json(proxy.url + "/v1/completions", first)
+    assert status == 200
+    body = completion_body(model, shared + token_prompt(90, seed=53), max_tokens=12)
+    _, want = ref.post("/v1/completions", body)
+    p0, d0 = p_metrics(p, model), d.metrics()
+    status, got = post_json(proxy.url + "/v1/completions", body)
+    assert status == 200, got
+    p1, d1 = p_metrics(p, model), d.metrics()
+    assert generated(got) == generated(want)
+    assert delta(d0, d1, EXTERNAL) == 90
+    assert delta(d0, d1, "vllm:prompt_tokens_by_source_total[local_cache_hit]") == 256
+    assert delta(d0, d1, KV_BYTES) == 1 * BLOCK
+    assert delta(p0, p1, BYTES_WRITTEN) == 1 * BLOCK
+
+
+def test_registration_before_prefill_waits_beyond_p_lease(ref: Engine, push: dict[str, Any],
+                                                          model: str) -> None:
+    """D registers first; P's prefill arrives after longer than P's lease:
+    the registration (bounded by D's push_timeout) still matches."""
+    p, d = push["p"], push["d"]
+    pd_id = "late-prefill-1"
+    body = completion_body(model, token_prompt(150, seed=61), max_tokens=8)
+    _, want = ref.post("/v1/completions", body)
+    d0 = d.metrics()
+    import threading
+
+    result: dict[str, Any] = {}
+    leg = threading.Thread(target=lambda: result.update(out=d.post(
+        "/v1/completions", dict(body, kv_transfer_params=d_params(p, pd_id, engine_id(p))))))
+    leg.start()
+    time.sleep(P_LEASE_S + 1)
+    status, _ = p.post("/v1/completions", dict(body, max_tokens=1,
+                                               kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    leg.join(60)
+    status, got = result["out"]
+    assert status == 200, got
+    assert generated(got) == generated(want)
+    assert delta(d0, d.metrics(), EXTERNAL) == 150
+
+
+def test_prefill_without_registration_expires_and_late_d_fails_cleanly(
+        push: dict[str, Any], model: str) -> None:
+    p, d = push["p"], push["d"]
+    pd_id = "never-registered-1"
+    body = completion_body(model, token_prompt(300, seed=62), max_tokens=4)
+    p0 = p.metrics()
+    status, _ = p.post("/v1/completions", dict(body, max_tokens=1,
+                                               kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    assert p.metrics()["vllm:kv_cache_usage_perc"] > 0  # held for D under the lease
+    time.sleep(P_LEASE_S + 0.5)
+    poke(p, model)
+    p1 = p.metrics()
+    assert p1["vllm:kv_cache_usage_perc"] == 0.0
+    assert delta(p0, p1, "vllm:pd_ext_lease_expiries_total") == 1
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        p, pd_id, engine_id(p))))
+    assert status >= 500, got
+    assert time.monotonic() - started < D_DEADLINE_S / 2  # refused at once, no timeout
+    assert f"pd_request_id {pd_id!r} was already expired" in d.log_text()
+
+
+def test_d_abort_after_registering_frees_blocks_and_p_never_writes(
+        push: dict[str, Any], model: str) -> None:
+    """The client leaves while D waits for P: D aborts with P before reusing
+    its blocks, and P's later prefill for that id is freed, never written."""
+    import http.client
+
+    p, d = push["p"], push["d"]
+    pd_id = "aborted-on-d-1"
+    body = completion_body(model, token_prompt(300, seed=63), max_tokens=4)
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+    conn.request("POST", "/v1/completions",
+                 json.dumps(dict(body, kv_transfer_params=d_params(p, pd_id, engine_id(p)))),
+                 {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while "push registration " + pd_id not in p.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.metrics()["vllm:kv_cache_usage_perc"] > 0  # registered blocks
+    conn.close()  # the client goes away: vLLM aborts the request on D
+    deadline = time.monotonic() + 10
+    while d.metrics()["vllm:kv_cache_usage_perc"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.metrics()["vllm:kv_cache_usage_perc"] == 0.0
+    assert f"push {pd_id} aborted by engine" in p.log_text()
+    p0 = p_metrics(p, model)
+    status, _ = p.post("/v1/completions", dict(body, max_tokens=1,
+                                               kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    assert delta(p0, p_metrics(p, model), WRITES) == 0
+    assert "finished after D gave up (aborted)" in p.log_text()
+
+
+def test_registration_that_never_finds_its_prefill_is_bounded(push: dict[str, Any],
+                                                              model: str) -> None:
+    p, d = push["p"], push["d"]
+    body = completion_body(model, token_prompt(200, seed=64), max_tokens=4)
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        p, "never-prefilled-1", engine_id(p))))
+    took = time.monotonic() - started
+    assert status >= 500, got
+    assert D_DEADLINE_S - 1 < took < D_DEADLINE_S + 5
+    assert "no KV from P within push_timeout" in d.log_text()
+
+
+def test_registration_with_a_dead_p_is_bounded(push: dict[str, Any], model: str) -> None:
+    from vllm_pd_ext.testing.engines import free_port
+
+    d = push["d"]
+    dead = Engine("nobody", model, log_dir("push"))
+    dead.side_channel_port = free_port()
+    body = completion_body(model, token_prompt(200, seed=65), max_tokens=4)
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        dead, "dead-p-1", "no-such-engine")))
+    took = time.monotonic() - started
+    assert status >= 500, got
+    assert took < D_DEADLINE_S + 2 * D_SIDE_CHANNEL_TIMEOUT_S + 5
+    assert "P is unreachable" in d.log_text()
+
+
+def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -> None:
+    """P refuses to write (D's prompt differs from the one P prefilled): D
+    fails at once under ``fail``, without waiting for its deadline."""
+    p, d = push["p"], push["d"]
+    pd_id = "cannot-write-1"
+    p_body = completion_body(model, token_prompt(37, seed=66), max_tokens=1)
+    status, _ = p.post("/v1/completions", dict(p_body, kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    d_body = completion_body(model, token_prompt(300, seed=67), max_tokens=4)
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=d_params(
+        p, pd_id, engine_id(p))))
+    assert status >= 500, got
+    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert "P could not write the KV: P prefilled 37 tokens but D's prompt has 300" in (
+        d.log_text())
+
+
+def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str, Any],
+                                            model: str) -> None:
+    """A push D against a pull P, and a pull D given push params."""
+    body = completion_body(model, token_prompt(100, seed=68), max_tokens=4)
+    started = time.monotonic()
+    status, got = push["d"].post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        p, "mode-mismatch-1", "whatever")))
+    assert status >= 500, got
+    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert "incompatible peer: transfer_mode: ours='pull' theirs='push'" in (
+        push["d"].log_text())
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        push["p"], "mode-mismatch-2", "whatever")))
+    assert status >= 500, got
+    assert "transfer_mode='push' but this engine runs transfer_mode='pull'" in d.log_text()
+    assert p.alive() and d.alive()

@@ -1,0 +1,200 @@
+"""P's scheduler half in push mode: match registrations, order WRITEs.
+
+Runs in P's EngineCore process. Two threads call in: the side-channel
+thread (``handle`` for ``PushRegister`` / ``PushAbort``, ``on_release``
+when a worker reports its WRITE settled) and the scheduler thread
+(``prefill_done`` from ``request_finished``, ``sweep``). All book and lease
+state is guarded by the ``LeaseService`` lock.
+
+Whichever of registration and prefill comes second orders the WRITEs at
+once, on its own thread: P's workers post them from their own push thread,
+so a WRITE never waits for an engine step (an idle P does not step).
+P's blocks stay pinned under a lease that cannot expire while a WRITE is
+ordered (``LeaseTable.hold``); each rank's release frees them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.outbox import Outbox
+from vllm_pd_ext.pushbook import Match, Prefill, PushBook, PushRefused
+from vllm_pd_ext.side_channel import LeaseService
+
+logger = get_logger(__name__)
+
+
+class PushProducer:
+    def __init__(self, engine_id: str, compat: proto.CompatInfo, block_size: int,
+                 tp_size: int, leases: LeaseService, notify_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine_id = engine_id
+        self.compat = compat
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.leases = leases
+        self.book: PushBook[proto.PushRegister] = PushBook(clock)
+        self._clock = clock
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._orders: dict[int, zmq.Socket[bytes]] = {}
+        self._order_lock = threading.Lock()
+        self._outbox = Outbox(notify_timeout_s, name="pd-push-notify")
+        self._stats_lock = threading.Lock()
+        self._waits: list[float] = []
+        self.num_expired_registrations = 0
+
+    def bind_workers(self, endpoints: dict[int, str]) -> None:
+        """Connect to each worker rank's order socket (from handshake metadata)."""
+        missing = sorted(set(range(self.tp_size)) - set(endpoints))
+        if missing:
+            raise RuntimeError(f"PDConnector: push mode, but workers {missing} publish no "
+                               "order endpoint")
+        self._ctx = zmq.Context()
+        for rank, addr in endpoints.items():
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self._orders[rank] = sock
+
+    # ---------------------------------------------------------- side channel
+    def handle(self, msg: proto.Request) -> proto.Reply:
+        if isinstance(msg, proto.PushRegister):
+            return self._register(msg)
+        if isinstance(msg, proto.PushAbort):
+            return self._abort(msg)
+        return proto.ErrorReply("not_consumer", f"engine {self.engine_id} is a push producer; "
+                                "it takes no push results")
+
+    def _register(self, msg: proto.PushRegister) -> proto.Reply:
+        if msg.expect_engine_id != self.engine_id:
+            return proto.ErrorReply(
+                "stale", f"this is engine {self.engine_id}, not {msg.expect_engine_id} "
+                "(P restarted?)")
+        if len(msg.agents) != self.tp_size or not msg.block_ids or msg.first_block < 0:
+            return proto.ErrorReply(
+                "malformed", f"registration for {msg.pd_request_id}: {len(msg.agents)} agents "
+                f"for TP {self.tp_size}, {len(msg.block_ids)} blocks from {msg.first_block}")
+        with self.leases.lock:
+            try:
+                match = self.book.register(msg.pd_request_id, msg, msg.ttl_s, self.tp_size)
+            except PushRefused as exc:
+                logger.warning("PDConnector: push registration from engine %s refused: %s",
+                               msg.engine_id, exc)
+                return proto.ErrorReply("refused", str(exc))
+            if match is not None:
+                self._start(match)
+        logger.info("PDConnector: push registration %s from engine %s (request %s): %d blocks "
+                    "from block %d; %s", msg.pd_request_id, msg.engine_id, msg.request_id,
+                    len(msg.block_ids), msg.first_block,
+                    "prefill not finished yet" if match is None else "writing")
+        return proto.PushAccepted(engine_id=self.engine_id,
+                                  state="waiting" if match is None else "writing")
+
+    def _abort(self, msg: proto.PushAbort) -> proto.Reply:
+        with self.leases.lock:
+            state, prefill = self.book.abort(msg.pd_request_id)
+            if prefill is not None:
+                self._release_all(msg.pd_request_id)
+        logger.info("PDConnector: push %s aborted by engine %s (%s): %s", msg.pd_request_id,
+                    msg.engine_id, msg.reason or "no reason", state)
+        return proto.PushAbortStatus(state)
+
+    def on_release(self, msg: proto.LeaseRelease) -> None:
+        """A worker's WRITE settled (lease released for its rank)."""
+        with self.leases.lock:
+            for pd_id in msg.request_ids:
+                self.book.settle(pd_id, msg.tp_rank, msg.ok)
+
+    # ------------------------------------------------------------ scheduler
+    def prefill_done(self, pd_id: str, request_id: str, block_ids: list[int],
+                     num_tokens: int) -> None:
+        """Blocks are pinned and leased under ``pd_id``; match or wait."""
+        prefill = Prefill(request_id, list(block_ids), num_tokens, self._clock())
+        with self.leases.lock:
+            outcome = self.book.prefill_done(pd_id, prefill, self.tp_size)
+            if isinstance(outcome, str):
+                self._release_all(pd_id)
+            elif outcome is not None:
+                self._start(outcome)
+        if isinstance(outcome, str):
+            logger.warning("PDConnector: prefill %s (%s) finished after D gave up (%s); "
+                           "freeing its blocks", request_id, pd_id, outcome)
+        elif outcome is None:
+            logger.info("PDConnector: prefill %s done; waiting for D's registration of %s",
+                        request_id, pd_id)
+
+    def sweep(self) -> None:
+        with self.leases.lock:
+            gone = self.book.sweep()
+        for pd_id in gone:
+            logger.warning("PDConnector: push registration %s expired: its prefill never "
+                           "finished here (did the request reach this P?)", pd_id)
+        self.num_expired_registrations += len(gone)
+
+    def forget_prefill(self, pd_id: str) -> None:
+        """The lease of a prefill D never registered for expired."""
+        with self.leases.lock:
+            self.book.forget_prefill(pd_id)
+
+    def take_registration_waits(self) -> list[float]:
+        with self._stats_lock:
+            waits, self._waits = self._waits, []
+        return waits
+
+    # ------------------------------------------------------------ internals
+    def _start(self, match: Match[proto.PushRegister]) -> None:
+        """Order the WRITEs (lock held)."""
+        reg, prefill = match.reg, match.prefill
+        with self._stats_lock:
+            self._waits.append(match.waited_s)
+        n = len(reg.block_ids)
+        expected = -(-prefill.num_tokens // self.block_size) - reg.first_block
+        problem = None
+        if reg.num_tokens != prefill.num_tokens:
+            problem = (f"P prefilled {prefill.num_tokens} tokens but D's prompt has "
+                       f"{reg.num_tokens} (different prompt or tokenizer?)")
+        elif n != expected or reg.first_block + n > len(prefill.block_ids):
+            problem = (f"block layout mismatch: D registered {n} blocks from block "
+                       f"{reg.first_block}; P's prompt has {len(prefill.block_ids)} blocks and "
+                       f"needs {expected} written")
+        if problem is not None:
+            logger.error("PDConnector: push %s not written: %s", match.pd_request_id, problem)
+            for rank in range(self.tp_size):
+                self.book.settle(match.pd_request_id, rank, False)
+            self._release_all(match.pd_request_id)
+            self._outbox.send(reg.notify_host, reg.notify_port, proto.PushResult(
+                engine_id=self.engine_id, pd_request_id=match.pd_request_id, tp_rank=-1,
+                ok=False, detail=problem))
+            return
+        self.leases.table.hold(match.pd_request_id)
+        src = prefill.block_ids[reg.first_block:reg.first_block + n]
+        for rank in range(self.tp_size):
+            order = proto.WriteOrder(
+                pd_request_id=match.pd_request_id, request_id=prefill.request_id,
+                d_engine_id=reg.engine_id, d_request_id=reg.request_id,
+                notify_host=reg.notify_host, notify_port=reg.notify_port,
+                agent=reg.agents[rank], src_block_ids=src, dst_block_ids=list(reg.block_ids),
+                post_before=match.post_before)
+            with self._order_lock:
+                self._orders[rank].send(proto.encode_order(order))
+
+    def _release_all(self, pd_id: str) -> None:
+        """Release every rank's share of the lease (lock held): sweep frees."""
+        for rank in range(self.tp_size):
+            self.leases.table.release(pd_id, rank, ok=False)
+
+    def close(self) -> None:
+        self._outbox.close()
+        with self._order_lock:
+            for sock in self._orders.values():
+                sock.close()
+            self._orders.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+

@@ -1,0 +1,73 @@
+"""D's worker half in push mode: wait for P's WRITE notifications.
+
+Runs on D's worker main thread (the engine step). The scheduler hands over
+one ``PushRecvSpec`` per registered request (``expect``); P's WRITE carries
+the notification ``pdx:<pd_request_id>``, which NIXL delivers after the
+data, so a request is reported loaded exactly when its bytes have landed.
+A notification can beat its spec (P is fast, the step is not): it is kept
+until the spec arrives, and forgotten after ``EARLY_TTL_S``.
+
+Failures are decided by the scheduler half (which knows when no WRITE can
+land any more) and handed down as ``push_fail``; ``drop`` then stops the
+wait so a request is reported exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.metadata import PushRecvSpec
+from vllm_pd_ext.transport import Transport
+
+logger = get_logger(__name__)
+
+#: Seconds a notification without a spec is kept.
+EARLY_TTL_S = 120.0
+
+
+@dataclass(frozen=True)
+class Landed:
+    spec: PushRecvSpec
+    wait_s: float
+
+
+class PushReceiver:
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._expected: dict[str, tuple[PushRecvSpec, float]] = {}
+        self._by_request: dict[str, str] = {}
+        self._early: dict[str, float] = {}
+
+    def expect(self, spec: PushRecvSpec, now: float) -> None:
+        self._expected[spec.pd_request_id] = (spec, now)
+        self._by_request[spec.request_id] = spec.pd_request_id
+
+    def drop(self, request_id: str) -> bool:
+        """Stop waiting; True if the request was still waiting."""
+        pd_id = self._by_request.pop(request_id, None)
+        return pd_id is not None and self._expected.pop(pd_id, None) is not None
+
+    def collect(self, now: float) -> list[Landed]:
+        for msg in self.transport.take_notifs():
+            pd_id = proto.parse_push_notif(msg)
+            if pd_id is None:
+                logger.warning("PDConnector: unexpected NIXL notification %r", msg[:64])
+            else:
+                self._early[pd_id] = now
+        out = []
+        for pd_id in [p for p in self._early if p in self._expected]:
+            del self._early[pd_id]
+            spec, since = self._expected.pop(pd_id)
+            self._by_request.pop(spec.request_id, None)
+            out.append(Landed(spec, now - since))
+        for pd_id, at in list(self._early.items()):
+            if now - at > EARLY_TTL_S:
+                del self._early[pd_id]
+                logger.warning("PDConnector: notification for unknown push %s dropped", pd_id)
+        return out
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._expected)
