@@ -1,8 +1,9 @@
 """1P1D demo on CPU: one prefill and one decode vLLM engine with PDConnector
-(pull mode over NIXL) behind vllm-pd-proxy. Prints the generated text and
-how many KV bytes moved from P to D, then stops everything it started.
+(over NIXL) behind vllm-pd-proxy. Prints the generated text and how many KV
+bytes moved from P to D, then stops everything it started.
 
-    ./examples/demo.sh            # sets up .venv and the tiny model, then runs this
+    ./examples/demo.sh                        # pull mode: D reads P's blocks
+    ./examples/demo.sh --transfer-mode push   # push mode: P writes into D's blocks
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / ".models/tiny"))
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
     args = ap.parse_args()
     logs = REPO / ".runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind="0")
-    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind="1")
+    mode = {"transfer_mode": args.transfer_mode}
+    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind="0", extra_config=mode)
+    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind="1", extra_config=mode)
     proxy = None
     try:
         print(f"starting P on :{p.port} and D on :{d.port} (logs in {logs}) ...", flush=True)
@@ -42,9 +45,11 @@ def main() -> int:
         d.start()
         p.wait_ready()
         d.wait_ready()
-        proxy = Proxy([p.url], [d.url], logs).start().wait_ready()
-        print(f"proxy on {proxy.url}; sending one completion through it", flush=True)
-        before = d.metrics()
+        proxy = Proxy([p.url], [d.url], logs,
+                      args=["--transfer-mode", args.transfer_mode]).start().wait_ready()
+        print(f"proxy on {proxy.url} ({args.transfer_mode} mode); sending one completion "
+              "through it", flush=True)
+        before, p_before = d.metrics(), p.metrics()
         t0 = time.perf_counter()
         status, body = proxy.post("/v1/completions", {
             "model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens,
@@ -54,9 +59,15 @@ def main() -> int:
             print(f"request failed: HTTP {status}: {body}")
             return 1
         after = d.metrics()
+        # Push: P counts its WRITEs when it next steps (an idle P does not).
+        p.post("/v1/completions", {"model": args.model, "prompt": [1, 2], "max_tokens": 1})
+        p_after = p.metrics()
 
         def delta(key: str) -> int:
             return int(after.get(key, 0) - before.get(key, 0))
+
+        def p_delta(key: str) -> int:
+            return int(p_after.get(key, 0) - p_before.get(key, 0))
 
         kv_bytes = delta("vllm:pd_ext_kv_bytes_total")
         print("\n=== generated text ===")
@@ -66,8 +77,12 @@ def main() -> int:
         print(f"tokens loaded as KV:    "
               f"{delta('vllm:prompt_tokens_by_source_total[external_kv_transfer]')}")
         print(f"KV bytes moved:         {kv_bytes} ({kv_bytes / 2**20:.2f} MiB)")
-        print(f"KV blocks / descriptors: {delta('vllm:pd_ext_kv_blocks_total')} / "
-              f"{delta('vllm:pd_ext_kv_descriptors_total')}")
+        descs = delta("vllm:pd_ext_kv_descriptors_total") or p_delta(
+            "vllm:pd_ext_kv_descriptors_total")
+        print(f"KV blocks / descriptors: {delta('vllm:pd_ext_kv_blocks_total')} / {descs}")
+        if args.transfer_mode == "push":
+            print(f"P's WRITEs / bytes:     {p_delta('vllm:pd_ext_kv_writes_total')} / "
+                  f"{p_delta('vllm:pd_ext_kv_bytes_written_total')}")
         print(f"request latency:        {elapsed * 1e3:.0f} ms")
         return 0 if kv_bytes > 0 else 2
     finally:

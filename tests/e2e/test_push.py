@@ -56,6 +56,9 @@ def push(model: str) -> Iterator[dict[str, Any]]:
                     failure_policy="fail",
                     extra_config={"transfer_mode": "push", "push_timeout": D_PUSH_TIMEOUT_S,
                                   "handshake_timeout": D_SIDE_CHANNEL_TIMEOUT_S}),
+        "d_recompute": Engine("d-push-recompute", model, logs, role="kv_consumer",
+                              cpu_bind="1", failure_policy="recompute",
+                              extra_config={"transfer_mode": "push"}),
     }
     with running(*engs.values()):
         proxy = Proxy([engs["p"].url], [engs["d"].url], logs,
@@ -70,16 +73,16 @@ def push(model: str) -> Iterator[dict[str, Any]]:
 @pytest.fixture(autouse=True)
 def no_block_leaked(push: dict[str, Any], model: str) -> Iterator[None]:
     yield
-    p, d = push["p"], push["d"]
-    assert p.alive() and d.alive()
+    engines = [push["p"], push["d"], push["d_recompute"]]
+    assert all(e.alive() for e in engines)
     deadline = time.monotonic() + 15
     while True:
-        poke(p, model)  # an idle P frees released leases when a request arrives
-        usage = (p.metrics()["vllm:kv_cache_usage_perc"], d.metrics()["vllm:kv_cache_usage_perc"])
-        if usage == (0.0, 0.0) or time.monotonic() > deadline:
+        poke(push["p"], model)  # an idle P frees released leases when a request arrives
+        usage = [e.metrics()["vllm:kv_cache_usage_perc"] for e in engines]
+        if not any(usage) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert usage == (0.0, 0.0), f"blocks held after the test (P, D usage): {usage}"
+    assert not any(usage), f"blocks held after the test (P, D, D-recompute usage): {usage}"
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
@@ -329,3 +332,72 @@ def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str
     assert status >= 500, got
     assert "transfer_mode='push' but this engine runs transfer_mode='pull'" in d.log_text()
     assert p.alive() and d.alive()
+
+
+def test_p_that_cannot_write_recomputes_under_recompute_policy(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    p, d = push["p"], push["d_recompute"]
+    pd_id = "cannot-write-2"
+    p_body = completion_body(model, token_prompt(37, seed=69), max_tokens=1)
+    status, _ = p.post("/v1/completions", dict(p_body, kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    d_body = completion_body(model, token_prompt(300, seed=70), max_tokens=12)
+    _, want = ref.post("/v1/completions", d_body)
+    d0 = d.metrics()
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=d_params(
+        p, pd_id, engine_id(p))))
+    assert status == 200, got
+    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert generated(got) == generated(want)
+    assert delta(d0, d.metrics(), EXTERNAL) == 0  # recomputed on D, nothing loaded
+
+
+def until_ok(proxy: Proxy, body: dict[str, Any], within: float = 60) -> tuple[Any, int]:
+    """POST through the proxy until one answers 200; every try must answer
+    (no hang) within its own bound. Returns the answer and the failed tries."""
+    deadline = time.monotonic() + within
+    failures = 0
+    while True:
+        started = time.monotonic()
+        status, got = post_json(proxy.url + "/v1/completions", body, timeout=D_DEADLINE_S + 10)
+        assert time.monotonic() - started < D_DEADLINE_S + 10
+        if status == 200:
+            return got, failures
+        failures += 1
+        assert time.monotonic() < deadline, f"no success within {within} s: {status} {got}"
+        time.sleep(0.5)
+
+
+def test_p_and_d_restarts_are_detected_and_the_next_push_works(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """P restarts on the same ports (new engine id), then D does (new NIXL
+    agent): stale identities are refused or replaced, nothing crashes or
+    hangs, and pushes work again with KV moved."""
+    p, d, proxy = push["p"], push["d"], push["proxy"]
+    old_id = engine_id(p)
+    p.stop()
+    p.start().wait_ready()
+    new_id = engine_id(p)
+    assert new_id != old_id
+    # D told about the old P is refused at once by the new one.
+    body = completion_body(model, token_prompt(130, seed=71), max_tokens=4)
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
+        p, "stale-p-1", old_id)))
+    assert status >= 500, got
+    assert f"this is engine {new_id}, not {old_id} (P restarted?)" in d.log_text()
+    body = completion_body(model, token_prompt(260, seed=72), max_tokens=8)
+    _, want = ref.post("/v1/completions", body)
+    d0 = d.metrics()
+    got, _ = until_ok(proxy, body)
+    assert generated(got) == generated(want)
+    assert delta(d0, d.metrics(), EXTERNAL) == 260
+
+    d.stop()
+    d.start().wait_ready()
+    body = completion_body(model, token_prompt(300, seed=73), max_tokens=8)
+    _, want = ref.post("/v1/completions", body)
+    got, _ = until_ok(proxy, body)
+    assert generated(got) == generated(want)
+    assert d.metrics()[EXTERNAL] == 300  # a fresh D: everything it holds came from P
+    assert p.log_text().count("push peer ") == 2  # the old D's agent, then the new one's

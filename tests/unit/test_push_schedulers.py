@@ -1,0 +1,261 @@
+"""Push mode between two real vLLM Schedulers (P and D) over real side channels.
+
+No workers run: the test plays P's worker (it reads the WRITE orders from
+P's order socket and reports the WRITE settled) and D's worker (it reports
+``finished_recving``). Every test ends with both leak checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from pdsched import (
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    make_output,
+)
+from pdunit_utils import free_port, wait_for
+from vllm.v1.request import RequestStatus
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.leases import LeaseState
+from vllm_pd_ext.metadata import PDHandshakeMetadata
+from vllm_pd_ext.side_channel import SideChannelClient
+
+HOST = "127.0.0.1"
+LEASE_S = 2.0
+
+
+def agent(name: str) -> proto.AgentInfo:
+    return proto.AgentInfo(tp_rank=0, agent_name=name, agent_metadata=b"meta-" + name.encode(),
+                           mem_type="DRAM", regions=[proto.Region(0x1000, 64, 64, 64)])
+
+
+class Pair:
+    """A push P and a push D scheduler, plus P's (fake) worker order socket."""
+
+    def __init__(self) -> None:
+        common = {"transfer_mode": "push", "handshake_timeout": 0.5}
+        self.p_port, self.d_port = free_port(), free_port()
+        self.p = create_scheduler(create_vllm_config(
+            "kv_producer", engine_id="eng-p", extra=dict(
+                common, side_channel_port=self.p_port, lease_duration=LEASE_S)))
+        self.d = create_scheduler(create_vllm_config(
+            "kv_consumer", engine_id="eng-d", extra=dict(
+                common, side_channel_port=self.d_port, heartbeat_interval=0.2,
+                push_timeout=30.0)))
+        self.ctx = zmq.Context()
+        self.orders = self.ctx.socket(zmq.PULL)
+        self.orders.setsockopt(zmq.LINGER, 0)
+        order_port = self.orders.bind_to_random_port("tcp://127.0.0.1")
+        self.p.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(
+            agent=agent("p-agent"), order_endpoint=f"tcp://127.0.0.1:{order_port}")})
+        self.d.connector.set_xfer_handshake_metadata({0: PDHandshakeMetadata(
+            agent=agent("d-agent"))})
+        self.client = SideChannelClient(2.0)
+
+    def d_params(self, pd_id: str) -> dict[str, object]:
+        return dict(do_remote_prefill=True, transfer_mode="push", remote_engine_id="eng-p",
+                    remote_host=HOST, remote_port=self.p_port, tp_size=1,
+                    remote_request_id=pd_id, pd_request_id=pd_id)
+
+    def next_order(self, timeout_ms: int = 3000) -> proto.WriteOrder | None:
+        if not self.orders.poll(timeout_ms):
+            return None
+        return proto.decode_order(self.orders.recv())
+
+    def settle_write(self, pd_id: str, ok: bool = True) -> None:
+        """What P's worker sends when its WRITE finished."""
+        self.client.request(HOST, self.p_port, proto.LeaseRelease(
+            engine_id="eng-p", request_ids=[pd_id], tp_rank=0, ok=ok))
+
+    def close(self) -> None:
+        self.client.close()
+        self.p.connector.shutdown()
+        self.d.connector.shutdown()
+        self.orders.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def pair():
+    made = Pair()
+    yield made
+    made.close()
+
+
+def step(sched, **output_kw):
+    out = sched.schedule()
+    core = sched.update_from_output(out, make_output(list(out.num_scheduled_tokens),
+                                                     **output_kw))
+    return out, core
+
+
+def prefill_on_p(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "p-internal"):
+    req = create_request(num_tokens, request_id=request_id, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": pd_id})
+    pair.p.add_request(req)
+    for _ in range(10):
+        step(pair.p)
+        if req.is_finished():
+            return req
+    raise AssertionError("prefill did not finish")
+
+
+def admit_on_d(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "d-internal"):
+    req = create_request(num_tokens, request_id=request_id, max_tokens=2,
+                         kv_transfer_params=pair.d_params(pd_id))
+    pair.d.add_request(req)
+    out, _ = step(pair.d)
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    return req, out.kv_connector_metadata
+
+
+def pd(sched):
+    return sched.connector._scheduler
+
+
+def finish_both(pair: Pair, d_req) -> None:
+    step(pair.d, finished_recving={d_req.request_id})
+    for _ in range(5):
+        step(pair.d)
+        if d_req.is_finished():
+            break
+    assert d_req.is_finished()
+    step(pair.d)
+    step(pair.p)  # P's sweep frees the released lease
+    assert_scheduler_empty(pair.d)
+    assert_scheduler_empty(pair.p)
+
+
+def test_registration_first_then_prefill_orders_exact_blocks(pair: Pair) -> None:
+    d_req, meta = admit_on_d(pair, "pd-1", 3 * BLOCK_SIZE + 5)
+    (spec,) = meta.push_recv
+    assert spec.pd_request_id == "pd-1" and len(spec.local_block_ids) == 4
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") == "registered")
+    assert pair.next_order(100) is None  # nothing to write before the prefill
+    p_req = prefill_on_p(pair, "pd-1", 3 * BLOCK_SIZE + 5)
+    order = pair.next_order()
+    assert order is not None
+    assert order.dst_block_ids == spec.local_block_ids
+    assert len(order.src_block_ids) == 4 and order.agent.agent_name == "d-agent"
+    assert (order.request_id, order.d_request_id) == (p_req.request_id, d_req.request_id)
+    # Held for the WRITE: never expires, even long past the lease.
+    assert pd(pair.p).leases.table.get("pd-1").state is LeaseState.WRITING
+    pair.settle_write("pd-1")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") == "done")
+    finish_both(pair, d_req)
+
+
+def test_heartbeats_keyed_by_pd_request_id_keep_p_lease_alive(pair: Pair) -> None:
+    """P's prefill finishes first; D has the request (and heartbeats) but has
+    not registered yet: D's heartbeats, sent under the shared id while both
+    engines use other internal ids, keep P's lease past its duration."""
+    pd_id = "pd-hb"
+    d_req = create_request(200, request_id="d-internal-hb", max_tokens=2,
+                           kv_transfer_params=pair.d_params(pd_id))
+    pair.d.connector.on_new_request(d_req)  # arrival: heartbeats start (no schedule yet)
+    prefill_on_p(pair, pd_id, 200, request_id="p-internal-hb")
+    leases = pd(pair.p).leases
+    assert leases.table.get(pd_id) is not None
+    time.sleep(LEASE_S * 1.5)
+    step(pair.p)  # sweeps: an unrenewed lease would be gone now
+    lease = leases.table.get(pd_id)
+    assert lease is not None and lease.num_renewals >= 3
+    # Now D schedules the request: the registration matches at once.
+    pair.d.add_request(d_req)
+    out, _ = step(pair.d)
+    (spec,) = out.kv_connector_metadata.push_recv
+    order = pair.next_order()
+    assert order is not None and order.dst_block_ids == spec.local_block_ids
+    pair.settle_write(pd_id)
+    finish_both(pair, d_req)
+
+
+def test_d_abort_after_registration_waits_for_p_then_frees(pair: Pair) -> None:
+    d_req, _ = admit_on_d(pair, "pd-abort", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-abort") == "registered")
+    pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert d_req.request_id in pair.d.requests  # blocks kept: a WRITE might land
+    fail = {}
+    for _ in range(100):
+        out, _ = step(pair.d)
+        fail.update(out.kv_connector_metadata.push_fail)
+        if fail:
+            break
+        time.sleep(0.02)
+    assert fail[d_req.request_id][0] == "aborted"
+    assert pd(pair.p).producer.book.state("pd-abort") == "aborted"
+    # D's worker reports it: vLLM frees the blocks.
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    # P's prefill for the aborted id is freed at once and never written.
+    prefill_on_p(pair, "pd-abort", 150)
+    assert pair.next_order(300) is None
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
+
+
+def test_d_abort_while_write_in_flight_keeps_blocks_until_settled(pair: Pair) -> None:
+    d_req, _ = admit_on_d(pair, "pd-inflight", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-inflight") == "registered")
+    prefill_on_p(pair, "pd-inflight", 150)
+    assert pair.next_order() is not None  # the WRITE is now "in flight"
+    pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # P answers in_flight: D must keep waiting
+        out, _ = step(pair.d)
+        assert out.kv_connector_metadata.push_fail == {}
+        time.sleep(0.05)
+    assert d_req.request_id in pair.d.requests
+    pair.settle_write("pd-inflight")
+    fail = {}
+    for _ in range(100):  # D re-asks every second; now P says done
+        out, _ = step(pair.d)
+        fail.update(out.kv_connector_metadata.push_fail)
+        if fail:
+            break
+        time.sleep(0.05)
+    assert fail[d_req.request_id][0] == "aborted"
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
+
+
+def test_prefix_hit_on_d_registers_only_missing_blocks(pair: Pair) -> None:
+    shared = [7 + i for i in range(2 * BLOCK_SIZE)]
+    # A local request fills D's prefix cache with the two shared blocks.
+    local = create_request(0, prompt=shared + [5] * 10, max_tokens=1)
+    pair.d.add_request(local)
+    for _ in range(5):
+        step(pair.d)
+    assert local.is_finished()
+    prompt = shared + [9] * 40
+    d_req = create_request(0, prompt=prompt, request_id="d-hit", max_tokens=2,
+                           kv_transfer_params=pair.d_params("pd-hit"))
+    pair.d.add_request(d_req)
+    out, _ = step(pair.d)
+    (spec,) = out.kv_connector_metadata.push_recv
+    # 64 shared tokens are cached on D; the other 40 span blocks 2 and 3.
+    assert len(spec.local_block_ids) == 2 and spec.num_tokens == 40
+    p_req = create_request(0, prompt=prompt, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": "pd-hit"})
+    pair.p.add_request(p_req)
+    for _ in range(5):
+        step(pair.p)
+    order = pair.next_order()
+    assert order is not None
+    p_blocks = pd(pair.p)._pinned["pd-hit"]
+    # P writes its blocks 2 and 3 (not 0 and 1) into D's fresh blocks.
+    assert order.src_block_ids == [b.block_id for b in p_blocks[2:4]]
+    assert order.dst_block_ids == spec.local_block_ids
+    pair.settle_write("pd-hit")
+    finish_both(pair, d_req)
