@@ -129,6 +129,16 @@ class PushProducer:
             logger.info("PDConnector: prefill %s done; waiting for D's registration of %s",
                         request_id, pd_id)
 
+    def prefill_failed(self, pd_id: str, request_id: str, status: str) -> None:
+        with self.leases.lock:
+            reg = self.book.prefill_failed(pd_id)
+        if reg is not None:
+            detail = f"P's prefill {request_id} ended with {status}"
+            logger.warning("PDConnector: push %s not written: %s", pd_id, detail)
+            self._outbox.send(reg.notify_host, reg.notify_port, proto.PushResult(
+                engine_id=self.engine_id, pd_request_id=pd_id, tp_rank=-1, ok=False,
+                detail=detail))
+
     def sweep(self) -> None:
         with self.leases.lock:
             gone = self.book.sweep()

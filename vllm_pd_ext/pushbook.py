@@ -114,6 +114,16 @@ class PushBook(Generic[R]):
         return self._match(pd_id, entry, prefill, prefill.finished_at - entry.received_at,
                            num_ranks)
 
+    def prefill_failed(self, pd_id: str) -> R | None:
+        """P's prefill ended without KV (aborted, rejected). Returns the
+        waiting registration, if any, so the caller can tell D at once; the
+        id is tombstoned ``failed`` either way."""
+        if pd_id in self._writing or pd_id in self._prefills:
+            return None
+        entry = self._regs.pop(pd_id, None)
+        self._tombstone(pd_id, "failed")
+        return entry.reg if entry is not None else None
+
     def _match(self, pd_id: str, entry: _Registration[R], prefill: Prefill, waited: float,
                num_ranks: int) -> Match[R]:
         self._writing[pd_id] = _Writing(num_ranks)

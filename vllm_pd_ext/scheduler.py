@@ -319,6 +319,9 @@ class PDScheduler:
         if not compat.is_finished_ok(request) or not block_ids:
             logger.info("PDConnector: prefill %s ended with %s; no KV handed over", rid,
                         request.status)
+            if self.producer is not None and params.mode == "push":
+                # A D already waiting for this KV learns it now, not at its deadline.
+                self.producer.prefill_failed(_lease_key(params), rid, str(request.status))
             return False, None
         if self._block_pool is None:
             raise RuntimeError("PDConnector: vLLM did not bind its block pool "

@@ -401,3 +401,56 @@ def test_p_and_d_restarts_are_detected_and_the_next_push_works(
     assert generated(got) == generated(want)
     assert d.metrics()[EXTERNAL] == 300  # a fresh D: everything it holds came from P
     assert p.log_text().count("push peer ") == 2  # the old D's agent, then the new one's
+
+
+def test_prompt_longer_than_context_returns_backend_4xx(push: dict[str, Any], model: str
+                                                        ) -> None:
+    proxy = push["proxy"]
+    body = completion_body(model, token_prompt(2100, seed=74), max_tokens=4)
+    status, got = post_json(proxy.url + "/v1/completions", body)
+    assert 400 <= status < 500, got
+    assert "2100" in str(got)
+
+
+def test_client_disconnect_through_proxy_frees_blocks_on_both_engines(
+        push: dict[str, Any], model: str) -> None:
+    """A client that leaves mid-stream leaves no block held on P or D (the
+    autouse check). Whether D aborts before the end depends on when vLLM's
+    API server, starved on 2 cores, flushes its stream, so unlike the pull
+    suite this test does not assert an early abort; the push-specific abort
+    (while D waits for the KV) is ``test_d_abort_after_registering_*``."""
+    import http.client
+
+    d, proxy = push["d"], push["proxy"]
+    body = completion_body(model, token_prompt(200, seed=75), max_tokens=1500,
+                           ignore_eos=True, stream=True)
+    before = d.metrics()
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # decoding on D, with pushed KV
+    conn.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        m = d.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0:
+            break
+        time.sleep(0.2)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0.0
+    assert delta(before, m, EXTERNAL) == 200
+
+
+def test_malformed_push_params_fail_only_that_request(ref: Engine, push: dict[str, Any],
+                                                      model: str) -> None:
+    p, d, proxy = push["p"], push["d"], push["proxy"]
+    body = completion_body(model, token_prompt(90, seed=76), max_tokens=4)
+    bad = d_params(p, "x", engine_id(p))
+    del bad["pd_request_id"]
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=bad))
+    assert status >= 500, got
+    assert "do_remote_prefill (push mode) needs pd_request_id" in d.log_text()
+    _, want = ref.post("/v1/completions", body)
+    status, got = post_json(proxy.url + "/v1/completions", body)
+    assert status == 200 and generated(got) == generated(want)

@@ -259,3 +259,29 @@ def test_prefix_hit_on_d_registers_only_missing_blocks(pair: Pair) -> None:
     assert order.dst_block_ids == spec.local_block_ids
     pair.settle_write("pd-hit")
     finish_both(pair, d_req)
+
+
+def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
+    d_req, _ = admit_on_d(pair, "pd-p-abort", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-p-abort") == "registered")
+    p_req = create_request(150, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": "pd-p-abort"})
+    pair.p.add_request(p_req)
+    pair.p.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)
+    fail = {}
+    for _ in range(100):  # well before D's 30 s push_timeout
+        out, _ = step(pair.d)
+        fail.update(out.kv_connector_metadata.push_fail)
+        if fail:
+            break
+        time.sleep(0.02)
+    reason, detail = fail[d_req.request_id]
+    assert reason == "transfer_error" and "ended with FINISHED_ABORTED" in detail
+    assert pair.next_order(100) is None
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert d_req.is_finished()  # kv_load_failure_policy=fail
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
