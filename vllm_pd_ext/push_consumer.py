@@ -20,12 +20,18 @@ One wait's life::
 D reuses the blocks only when P said no WRITE can land any more: it refused
 the registration, reported its WRITE settled, or answered an abort with a
 safe state. If P cannot be reached, D waits until P's WRITE window has
-closed (P posts nothing later than ``ttl`` after receiving the
-registration, which reached P within one side-channel timeout of sending).
+closed: P posts nothing later than ``ttl`` after receiving the
+registration, and a posted WRITE ends within ``write_timeout`` (P's
+``transfer_timeout``). The window is counted from the registration's reply
+(P received it before answering) or, without a reply, from the send's
+timeout plus one more side-channel timeout; until the registration has
+left, the window is open. Aborts are re-sent only after P answered the
+previous one, so an unreachable P does not pile them up.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -52,10 +58,11 @@ class PushWait:
     request_id: str
     pd_request_id: str
     endpoint: Endpoint
-    #: No WRITE can be posted by P after this (monotonic).
-    window_closes: float
     #: When D gives up waiting and aborts.
     deadline: float
+    #: No WRITE from P can touch D's blocks after this (monotonic); open
+    #: (infinite) until the registration's send has ended.
+    window_closes: float = math.inf
     state: str = "registering"
     ended: bool = False
     abort_sent: bool = False
@@ -67,13 +74,15 @@ class PushWait:
 class PushConsumer:
     def __init__(self, engine_id: str, compat: proto.CompatInfo, host: str, port: int,
                  push_timeout_s: float, side_channel_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 write_timeout_s: float = 30.0) -> None:
         self.engine_id = engine_id
         self.compat = compat
         self.host = host
         self.port = port
         self.push_timeout_s = push_timeout_s
         self.side_channel_timeout_s = side_channel_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.agents: list[proto.AgentInfo] = []
         self._clock = clock
         self._outbox = Outbox(side_channel_timeout_s, name="pd-push-register")
@@ -88,7 +97,6 @@ class PushConsumer:
                  num_tokens: int) -> None:
         now = self._clock()
         wait = PushWait(request_id, pd_id, endpoint,
-                        window_closes=now + self.push_timeout_s + self.side_channel_timeout_s,
                         deadline=now + self.push_timeout_s + self.side_channel_timeout_s)
         self._waits[request_id] = wait
         with self._lock:
@@ -150,6 +158,7 @@ class PushConsumer:
                                         f"({self.push_timeout_s:.1f} s)")
                 self._send_abort(wait, "deadline passed on D")
             elif wait.abort_sent and wait.state == "in_flight" and now >= wait.next_abort:
+                # (state becomes "aborting" until P answers: never two at once)
                 self._send_abort(wait, wait.why)
         return out
 
@@ -195,7 +204,10 @@ class PushConsumer:
         now = self._clock()
         if kind == "accepted":
             wait.state = "registered"
+            wait.window_closes = now + self.push_timeout_s + self.write_timeout_s
         elif kind == "unconfirmed":
+            wait.window_closes = (now + self.side_channel_timeout_s + self.push_timeout_s
+                                  + self.write_timeout_s)
             logger.warning("PDConnector: registration of %s with %s:%d unconfirmed: %s",
                            wait.request_id, *wait.endpoint, detail)
         elif kind == "refused":
@@ -231,6 +243,8 @@ class PushConsumer:
 
     def _send_abort(self, wait: PushWait, reason: str) -> None:
         wait.abort_sent = True
+        if wait.state != "registering":
+            wait.state = "aborting"
         wait.next_abort = self._clock() + ABORT_RETRY_S
         rid = wait.request_id
         self._outbox.send(wait.endpoint[0], wait.endpoint[1], proto.PushAbort(

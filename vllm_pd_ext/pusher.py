@@ -102,14 +102,16 @@ class Pusher:
             peer = self._peer(order.agent)
             descs = build_descriptors(order.src_block_ids, order.dst_block_ids, self.regions,
                                       order.agent.regions)
+            # Timed from before the post: on one host UCX copies inside it.
+            posted = time.monotonic()
             handle = self.transport.post_write(peer, descs, order.agent.device_id,
                                                proto.push_notif(order.pd_request_id))
         except (TransportError, ValueError) as exc:
             self._drop_peer(order.agent.agent_name)
             self._finish_failed(order, f"WRITE could not be posted: {exc}")
             return
-        now = time.monotonic()
-        self._inflight.append(_Write(order, peer, handle, now, now + self.transfer_timeout_s,
+        self._inflight.append(_Write(order, peer, handle, posted,
+                                     posted + self.transfer_timeout_s,
                                      sum(n for _, _, n in descs), len(descs)))
 
     def _peer(self, agent: proto.AgentInfo) -> str:

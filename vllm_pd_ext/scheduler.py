@@ -88,7 +88,8 @@ class PDScheduler:
             self.producer = PushProducer(self.engine_id, self.compat, self.block_size,
                                          self.tp_size, self.leases, cfg.handshake_timeout)
             self.consumer = PushConsumer(self.engine_id, self.compat, self.host, self.port,
-                                         cfg.push_timeout, cfg.handshake_timeout)
+                                         cfg.push_timeout, cfg.handshake_timeout,
+                                         write_timeout_s=cfg.transfer_timeout)
 
     # ---------------------------------------------------------------- startup
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:

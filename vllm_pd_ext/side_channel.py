@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.leases import LeaseTable
+from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.log import get_logger
 
 logger = get_logger(__name__)
@@ -51,12 +51,17 @@ class LeaseService:
 
     def renew(self, msg: proto.LeaseRenew) -> proto.LeaseStatus:
         with self.lock:
+            # Push: a heartbeat can cross P's release after its WRITE; that is
+            # not a late message.
+            released = {rid for rid in msg.request_ids
+                        if (lease := self.table.get(rid)) is not None
+                        and lease.state is LeaseState.RELEASED}
             remaining = [self.table.renew(rid, acquire=msg.acquire) for rid in msg.request_ids]
             if not msg.acquire:
                 self.num_heartbeats += len(msg.request_ids)
         for rid, left in zip(msg.request_ids, remaining, strict=True):
-            if (left == proto.LEASE_UNKNOWN and not msg.acquire
-                    and self.unknown_heartbeats_expected):
+            if not msg.acquire and self.unknown_heartbeats_expected and (
+                    left == proto.LEASE_UNKNOWN or rid in released):
                 continue
             if left < 0:
                 self.num_late_messages += 1

@@ -1,9 +1,15 @@
-"""The READ target for the two-process NIXL tests (runs in a spawned child).
+"""The target for the two-process NIXL tests (runs in a spawned child).
 
 Kept free of pytest and torch so the child starts fast. Protocol over a
 ``multiprocessing`` pipe: the child sends ``(metadata, base_addr, nbytes)``
 once its buffer is registered and its progress pump runs, then waits for
 ``"stop"`` (or is killed).
+
+``serve`` is a READ target (a patterned buffer). ``serve_write_target`` is a
+push-mode WRITE target (a zeroed buffer) that also answers
+``("notifs", timeout_s)`` with ``(notifications, buffer snapshot)`` as soon
+as ``take_notifs`` returned any (or at the timeout), and
+``("bytes", offset, n)`` with its buffer's contents.
 """
 
 from __future__ import annotations
@@ -32,6 +38,44 @@ def serve(conn, nbytes: int, pump: bool = True) -> None:
         while True:
             if conn.poll(0.05) and conn.recv() == "stop":
                 break
+    except EOFError:
+        pass
+    t.close()
+    conn.send("closed")
+
+
+def serve_write_target(conn, nbytes: int) -> None:
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    import time
+
+    from vllm_pd_ext.transport.nixl import NixlTransport
+
+    buf = (ctypes.c_uint8 * nbytes)()
+    addr = ctypes.addressof(buf)
+    t = NixlTransport(f"write-target-{os.getpid()}", ["UCX"], progress_thread=False)
+    t.register([(addr, nbytes)], "DRAM", 0)
+    t.start_progress_pump(0.001)
+    conn.send((t.metadata(), addr, nbytes))
+    try:
+        while True:
+            if not conn.poll(0.05):
+                continue
+            cmd = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd[0] == "notifs":
+                # Snapshot the buffer the moment a notification is seen: the
+                # data it announces must already be there.
+                got: list[bytes] = []
+                deadline = time.monotonic() + cmd[1]
+                while True:
+                    got.extend(t.take_notifs())
+                    if got or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.001)
+                conn.send((got, ctypes.string_at(addr, nbytes)))
+            elif cmd[0] == "bytes":
+                conn.send(ctypes.string_at(addr + cmd[1], cmd[2]))
     except EOFError:
         pass
     t.close()

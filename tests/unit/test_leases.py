@@ -198,3 +198,39 @@ def test_tombstones_bounded(clock):
     assert table.renew("a") == LEASE_UNKNOWN
     assert table.renew("b") == LEASE_EXPIRED
     assert table.renew("c") == LEASE_EXPIRED
+
+
+# ------------------------------------------------------------------ push: hold
+def test_held_lease_never_expires(table, clock):
+    table.grant("r1", num_consumers=2)
+    assert table.hold("r1") is True
+    assert table.get("r1").state is LeaseState.WRITING
+    clock.advance(1000.0)
+    res = table.sweep()
+    assert res.expired == [] and res.released == []
+    assert "r1" in table
+    assert table.release("r1", rank=0) is False
+    clock.advance(1000.0)
+    assert table.sweep().expired == []
+    assert table.release("r1", rank=1, ok=False) is True
+    assert table.get("r1").release_ok is False
+    res = table.sweep()
+    assert res.released == ["r1"] and res.expired == []
+    assert "r1" not in table and table.num_expired == 0
+
+
+def test_hold_unknown_or_released(table):
+    assert table.hold("ghost") is False
+    table.grant("r1")
+    table.release("r1")
+    assert table.hold("r1") is False
+    assert table.get("r1").state is LeaseState.RELEASED
+    assert table.sweep().released == ["r1"]
+
+
+def test_unheld_lease_still_expires(table, clock):
+    table.grant("held")
+    table.grant("free")
+    table.hold("held")
+    clock.advance(10.0)
+    assert table.sweep().expired == ["free"]

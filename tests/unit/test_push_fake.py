@@ -1,0 +1,276 @@
+"""Push mode's worker halves end to end over FakeTransport.
+
+P: a real ``Pusher`` (ZMQ PULL on 127.0.0.1) over a ctypes buffer, fed
+``WriteOrder``s through a PUSH socket; its lease releases go to a real
+``SideChannelServer`` with a lease table (P's own side channel). D: a
+FakeTransport over a numpy buffer, a ``PushReceiver``, and a second
+``SideChannelServer`` that records P's ``PushResult``s. Every message either
+server receives is logged in arrival order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+from pdunit_utils import free_port, wait_for
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.metadata import PushRecvSpec
+from vllm_pd_ext.push_receiver import PushReceiver
+from vllm_pd_ext.pusher import Pusher
+from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.transport import XferState
+from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
+
+HOST = "127.0.0.1"
+BLOCK = 256
+NUM_BLOCKS = 12
+LAYERS = 2
+NBYTES = BLOCK * NUM_BLOCKS * LAYERS
+SRC, DST = [5, 6, 7], [1, 2, 9]
+COMPAT = proto.CompatInfo(protocol_version=2, model="m", dtype="bfloat16", block_size=16,
+                          kv_layout="LBHNC", num_layers=LAYERS, num_kv_heads=2, head_size=64,
+                          tp_size=1, transfer_mode="push")
+
+
+def regions(addr: int) -> list[proto.Region]:
+    per_layer = BLOCK * NUM_BLOCKS
+    return [proto.Region(addr + i * per_layer, BLOCK, BLOCK, NUM_BLOCKS) for i in range(LAYERS)]
+
+
+class GatedTransport(FakeTransport):
+    """A FakeTransport whose WRITEs stay PROC until ``gate`` is set."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def poll(self, handle):
+        if not self.gate.is_set():
+            return XferState.PROC
+        return super().poll(handle)
+
+
+class Recorder:
+    """Push handler for a SideChannelServer: logs what arrives, in order."""
+
+    def __init__(self, log: list, lock: threading.Lock) -> None:
+        self.log, self.lock = log, lock
+
+    def handle(self, msg):
+        with self.lock:
+            self.log.append(msg)
+        return proto.Ack()
+
+    def on_release(self, msg):
+        with self.lock:
+            self.log.append(msg)
+
+
+class Rig:
+    def __init__(self) -> None:
+        self.fabric = FakeFabric()
+        self.p_buf = (ctypes.c_uint8 * NBYTES)()
+        ctypes.memmove(self.p_buf, bytes((i * 7 + 3) % 251 for i in range(NBYTES)), NBYTES)
+        self.p_addr = ctypes.addressof(self.p_buf)
+        self.d_buf = np.zeros(NBYTES, dtype=np.uint8)
+        self.d_addr = self.d_buf.ctypes.data
+        self.p_t = GatedTransport("p-agent", self.fabric)
+        self.p_t.register([(self.p_addr, NBYTES)], "DRAM", 0)
+        self.d_t = FakeTransport("d-agent", self.fabric)
+        self.d_t.register([(self.d_addr, NBYTES)], "DRAM", 0)
+        self.receiver = PushReceiver(self.d_t)
+        self.log: list = []
+        lock = threading.Lock()
+        self.leases = LeaseService(LeaseTable(30.0, time.monotonic))
+        self.p_port, self.d_port = free_port(), free_port()
+        self.p_server = SideChannelServer(HOST, self.p_port, "eng-p", COMPAT, {}, self.leases,
+                                          push=Recorder(self.log, lock))
+        self.d_server = SideChannelServer(HOST, self.d_port, "eng-d", COMPAT, {}, None,
+                                          push=Recorder(self.log, lock))
+        self.writes: list[tuple[int, int, int, float]] = []
+        self.pusher = Pusher("eng-p", 0, self.p_t, regions(self.p_addr), (HOST, self.p_port),
+                             transfer_timeout_s=5.0, notify_timeout_s=2.0,
+                             on_write=lambda *a: self.writes.append(a))
+        self.ctx = zmq.Context()
+        self.orders = self.ctx.socket(zmq.PUSH)
+        self.orders.connect(self.pusher.endpoint)
+
+    def agent(self, d_regions=None) -> proto.AgentInfo:
+        return proto.AgentInfo(tp_rank=0, agent_name="d-agent", agent_metadata=b"d-agent",
+                               mem_type="DRAM", regions=d_regions or regions(self.d_addr))
+
+    def order(self, pd_id="pd1", post_in=30.0, **kw) -> proto.WriteOrder:
+        with self.leases.lock:
+            self.leases.table.grant(pd_id)
+            self.leases.table.hold(pd_id)
+        fields = dict(pd_request_id=pd_id, request_id="p-req", d_engine_id="eng-d",
+                      d_request_id="d-req", notify_host=HOST, notify_port=self.d_port,
+                      agent=self.agent(), src_block_ids=SRC, dst_block_ids=DST,
+                      post_before=time.monotonic() + post_in)
+        fields.update(kw)
+        order = proto.WriteOrder(**fields)
+        self.orders.send(proto.encode_order(order))
+        return order
+
+    def lease(self, pd_id="pd1"):
+        with self.leases.lock:
+            return self.leases.table.get(pd_id)
+
+    def messages(self, kind: type) -> list:
+        return [m for m in list(self.log) if isinstance(m, kind)]
+
+    def p_block(self, layer: int, b: int) -> bytes:
+        return ctypes.string_at(regions(self.p_addr)[layer].base_addr + b * BLOCK, BLOCK)
+
+    def d_block(self, layer: int, b: int) -> bytes:
+        off = layer * BLOCK * NUM_BLOCKS + b * BLOCK
+        return self.d_buf[off:off + BLOCK].tobytes()
+
+    def assert_untouched(self) -> None:
+        assert not self.d_buf.any()
+        assert self.d_t.take_notifs() == []
+
+    def close(self) -> None:
+        self.orders.close(linger=0)
+        self.ctx.term()
+        self.pusher.close()
+        self.p_server.close()
+        self.d_server.close()
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
+
+
+def spec(pd_id="pd1") -> PushRecvSpec:
+    return PushRecvSpec(request_id="d-req", pd_request_id=pd_id, local_block_ids=DST,
+                        num_tokens=48)
+
+
+def assert_failed(rig: Rig, pd_id: str, detail: str) -> None:
+    """P told D (first) and released its lease share with ok=False (second)."""
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    [result] = rig.messages(proto.PushResult)
+    assert result.pd_request_id == pd_id and result.ok is False and result.tp_rank == 0
+    assert detail in result.detail
+    [release] = rig.messages(proto.LeaseRelease)
+    assert release.request_ids == [pd_id] and release.ok is False
+    assert rig.log.index(result) < rig.log.index(release)
+    assert rig.lease(pd_id).state is LeaseState.RELEASED
+    assert rig.lease(pd_id).release_ok is False
+
+
+def test_write_lands_before_receiver_reports(rig):
+    rig.receiver.expect(spec(), time.monotonic())
+    rig.p_t.gate.clear()
+    rig.order()
+    assert wait_for(lambda: rig.pusher.num_in_flight == 1)
+    # Posted but not landed: D has neither bytes nor a notification.
+    for _ in range(5):
+        assert rig.receiver.collect(time.monotonic()) == []
+        time.sleep(0.01)
+    assert not rig.d_buf.any() and rig.messages(proto.LeaseRelease) == []
+    rig.p_t.gate.set()
+    landed: list = []
+    assert wait_for(lambda: landed.extend(rig.receiver.collect(time.monotonic())) or landed)
+    [got] = landed
+    assert got.spec == spec() and got.wait_s >= 0.05
+    assert rig.receiver.num_waiting == 0
+    for layer in range(LAYERS):
+        for b in range(NUM_BLOCKS):
+            want = rig.p_block(layer, SRC[DST.index(b)]) if b in DST else bytes(BLOCK)
+            assert rig.d_block(layer, b) == want, (layer, b)
+    # [5,6]->[1,2] and [7]->[9]: two runs per layer.
+    assert rig.p_t.num_posts == 1 and rig.p_t.num_descriptors == 2 * LAYERS
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    [release] = rig.messages(proto.LeaseRelease)
+    assert release.ok is True and release.request_ids == ["pd1"] and release.tp_rank == 0
+    assert release.engine_id == "eng-p"
+    assert rig.lease().state is LeaseState.RELEASED and rig.lease().release_ok
+    assert rig.messages(proto.PushResult) == []  # success is only the notification
+    assert rig.writes and rig.writes[0][:3] == (3 * BLOCK * LAYERS, 2 * LAYERS, 3)
+    assert rig.pusher.num_in_flight == 0 and rig.p_t.live_handles == {}
+
+
+def test_notification_before_spec_is_kept(rig):
+    rig.order()
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    assert rig.receiver.collect(time.monotonic()) == []  # nobody waits for it yet
+    rig.receiver.expect(spec(), time.monotonic())
+    [got] = rig.receiver.collect(time.monotonic())
+    assert got.spec.request_id == "d-req"
+    assert rig.d_block(0, 9) == rig.p_block(0, 7)
+
+
+def test_failed_post_reports_and_releases(rig):
+    rig.receiver.expect(spec(), time.monotonic())
+    rig.p_t.fail_post = True
+    rig.order()
+    assert_failed(rig, "pd1", "could not be posted")
+    rig.assert_untouched()
+    assert rig.receiver.collect(time.monotonic()) == []
+    assert "d-agent" not in rig.p_t.peers  # a failed peer is dropped
+    # The next order re-adds the peer and goes through.
+    rig.p_t.fail_post = False
+    rig.order("pd2")
+    assert wait_for(lambda: len(rig.messages(proto.LeaseRelease)) == 2)
+    assert rig.messages(proto.LeaseRelease)[1].ok is True
+    assert rig.d_block(1, 1) == rig.p_block(1, 5)
+
+
+@pytest.mark.parametrize("write_fails", [False, True], ids=["done", "err"])
+def test_unreleasable_handle_holds_both_sides(rig, write_fails):
+    rig.p_t.fail_release = True
+    rig.p_t.fail_poll = write_fails
+    rig.order()
+    assert wait_for(lambda: rig.p_t.num_posts == 1)
+    time.sleep(0.3)  # many push-thread iterations
+    assert rig.log == []
+    assert rig.pusher.num_in_flight == 1
+    assert rig.lease().state is LeaseState.WRITING
+    rig.p_t.fail_release = False
+    if write_fails:
+        assert_failed(rig, "pd1", "NIXL reported an error")
+    else:
+        assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+        assert rig.messages(proto.LeaseRelease)[0].ok is True
+        assert rig.messages(proto.PushResult) == []
+    assert rig.pusher.num_in_flight == 0
+
+
+def test_order_past_its_window_is_never_posted(rig):
+    rig.order(post_in=-1.0)
+    assert_failed(rig, "pd1", "window closed")
+    assert rig.p_t.num_posts == 0
+    rig.assert_untouched()
+
+
+@pytest.mark.parametrize("bad", ["block_len", "count"])
+def test_region_layout_mismatch(rig, bad):
+    good = regions(rig.d_addr)
+    if bad == "block_len":
+        d_regions = [proto.Region(r.base_addr, BLOCK, BLOCK // 2, NUM_BLOCKS) for r in good]
+    else:
+        d_regions = good[:1]
+    rig.order(agent=rig.agent(d_regions))
+    assert_failed(rig, "pd1", "layout differs")
+    assert rig.p_t.num_posts == 0
+    rig.assert_untouched()
+
+
+def test_malformed_order_dropped_thread_survives(rig):
+    rig.orders.send(b"\x00garbage")
+    rig.order()
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    assert rig.messages(proto.LeaseRelease)[0].ok is True
