@@ -35,7 +35,6 @@ import os
 import queue
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -44,6 +43,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchstats import (
+    fmt,
+    median,
+    pct,
+)
 
 from vllm_pd_ext.testing.engines import REPO, Engine
 
@@ -96,22 +101,6 @@ def blocks_for(n_tokens: int) -> int:
     return -(-n_tokens // BLOCK_SIZE)
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def fmt(x: float | None, nd: int = 2) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{nd}f}"
 
 
 # --------------------------------------------------------------------------

@@ -51,12 +51,14 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
+
+import benchstats
+from benchstats import median, pct
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 
@@ -85,22 +87,8 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else math.nan
-
-
-def pct(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def fmt(x: float | None, nd: int = 1) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return f"{x:.{nd}f}"
+    return benchstats.fmt(x, nd)
 
 
 def group_cpu_s(pgid: int) -> float:

@@ -32,6 +32,7 @@ from tests.e2e.helpers import (
     stream_text,
     token_prompt,
 )
+from tests.e2e.test_pull import CASES
 from vllm_pd_ext.testing.engines import Engine, Proxy, running
 
 pytestmark = pytest.mark.engine
@@ -124,13 +125,6 @@ def engine_id(p: Engine) -> str:
     assert status == 200, body
     return str(body["kv_transfer_params"]["remote_engine_id"])
 
-
-CASES = {
-    "shorter_than_a_block": 37,
-    "exactly_one_block": BLOCK_SIZE,
-    "several_blocks": 3 * BLOCK_SIZE,
-    "partial_last_block": 2 * BLOCK_SIZE + 77,
-}
 
 
 @pytest.mark.parametrize("n_tokens", list(CASES.values()), ids=list(CASES))
@@ -304,20 +298,29 @@ def test_registration_with_a_dead_p_is_bounded(push: dict[str, Any], model: str)
     assert "P is unreachable" in d.log_text()
 
 
-def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -> None:
-    """P refuses to write (D's prompt differs from the one P prefilled): D
-    fails at once under ``fail``, without waiting for its deadline."""
-    p, d = push["p"], push["d"]
-    pd_id = "cannot-write-1"
-    p_body = completion_body(model, token_prompt(37, seed=66), max_tokens=1)
+def prefill_one_prompt_decode_another(p: Engine, d: Engine, pd_id: str, seed: int,
+                                      d_body: dict[str, Any]) -> tuple[int, Any, float]:
+    """P prefills a 37-token prompt under ``pd_id``; D gets ``d_body`` (300
+    tokens) under the same id, so P refuses to write. Returns D's answer and
+    how long it took."""
+    p_body = completion_body(p.model, token_prompt(37, seed=seed), max_tokens=1)
     status, _ = p.post("/v1/completions", dict(p_body, kv_transfer_params=p_params(pd_id)))
     assert status == 200
-    d_body = completion_body(model, token_prompt(300, seed=67), max_tokens=4)
     started = time.monotonic()
     status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=d_params(
         p, pd_id, engine_id(p))))
+    return status, got, time.monotonic() - started
+
+
+def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -> None:
+    """P refuses to write (D's prompt differs from the one P prefilled): D
+    fails at once under ``fail``, without waiting for its deadline."""
+    d = push["d"]
+    d_body = completion_body(model, token_prompt(300, seed=67), max_tokens=4)
+    status, got, took = prefill_one_prompt_decode_another(push["p"], d, "cannot-write-1", 66,
+                                                          d_body)
     assert status >= 500, got
-    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert took < D_DEADLINE_S / 2
     assert "P could not write the KV: P prefilled 37 tokens but D's prompt has 300" in (
         d.log_text())
 
@@ -342,19 +345,14 @@ def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str
 
 def test_p_that_cannot_write_recomputes_under_recompute_policy(
         ref: Engine, push: dict[str, Any], model: str) -> None:
-    p, d = push["p"], push["d_recompute"]
-    pd_id = "cannot-write-2"
-    p_body = completion_body(model, token_prompt(37, seed=69), max_tokens=1)
-    status, _ = p.post("/v1/completions", dict(p_body, kv_transfer_params=p_params(pd_id)))
-    assert status == 200
+    d = push["d_recompute"]
     d_body = completion_body(model, token_prompt(300, seed=70), max_tokens=12)
     _, want = ref.post("/v1/completions", d_body)
     d0 = d.metrics()
-    started = time.monotonic()
-    status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=d_params(
-        p, pd_id, engine_id(p))))
+    status, got, took = prefill_one_prompt_decode_another(push["p"], d, "cannot-write-2", 69,
+                                                          d_body)
     assert status == 200, got
-    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert took < D_DEADLINE_S / 2
     assert generated(got) == generated(want)
     assert delta(d0, d.metrics(), EXTERNAL) == 0  # recomputed on D, nothing loaded
 

@@ -120,6 +120,19 @@ def pd(sched):
     return sched.connector._scheduler
 
 
+def wait_push_fail(pair: Pair, d_req, pause: float = 0.02) -> tuple[str, str]:
+    """Step D until its scheduler hands the worker a failed push; returns
+    (reason, detail) for ``d_req``."""
+    fail: dict[str, tuple[str, str]] = {}
+    for _ in range(100):
+        out, _ = step(pair.d)
+        fail.update(out.kv_connector_metadata.push_fail)
+        if fail:
+            break
+        time.sleep(pause)
+    return fail[d_req.request_id]
+
+
 def finish_both(pair: Pair, d_req) -> None:
     step(pair.d, finished_recving={d_req.request_id})
     for _ in range(5):
@@ -182,14 +195,7 @@ def test_d_abort_after_registration_waits_for_p_then_frees(pair: Pair) -> None:
     assert wait_for(lambda: pd(pair.p).producer.book.state("pd-abort") == "registered")
     pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
     assert d_req.request_id in pair.d.requests  # blocks kept: a WRITE might land
-    fail = {}
-    for _ in range(100):
-        out, _ = step(pair.d)
-        fail.update(out.kv_connector_metadata.push_fail)
-        if fail:
-            break
-        time.sleep(0.02)
-    assert fail[d_req.request_id][0] == "aborted"
+    assert wait_push_fail(pair, d_req)[0] == "aborted"
     assert pd(pair.p).producer.book.state("pd-abort") == "aborted"
     # D's worker reports it: vLLM frees the blocks.
     step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
@@ -215,14 +221,8 @@ def test_d_abort_while_write_in_flight_keeps_blocks_until_settled(pair: Pair) ->
         time.sleep(0.05)
     assert d_req.request_id in pair.d.requests
     pair.settle_write("pd-inflight")
-    fail = {}
-    for _ in range(100):  # D re-asks every second; now P says done
-        out, _ = step(pair.d)
-        fail.update(out.kv_connector_metadata.push_fail)
-        if fail:
-            break
-        time.sleep(0.05)
-    assert fail[d_req.request_id][0] == "aborted"
+    # D re-asks every second; now P says done.
+    assert wait_push_fail(pair, d_req, pause=0.05)[0] == "aborted"
     step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
     step(pair.d)
     assert_scheduler_empty(pair.d)
@@ -268,14 +268,7 @@ def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
         "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": "pd-p-abort"})
     pair.p.add_request(p_req)
     pair.p.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)
-    fail = {}
-    for _ in range(100):  # well before D's 30 s push_timeout
-        out, _ = step(pair.d)
-        fail.update(out.kv_connector_metadata.push_fail)
-        if fail:
-            break
-        time.sleep(0.02)
-    reason, detail = fail[d_req.request_id]
+    reason, detail = wait_push_fail(pair, d_req)  # well before D's 30 s push_timeout
     assert reason == "transfer_error" and "ended with FINISHED_ABORTED" in detail
     assert pair.next_order(100) is None
     step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
