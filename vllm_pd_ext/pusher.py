@@ -13,8 +13,9 @@ contiguous run, as in pull), post one WRITE carrying the notification
 other in-flight WRITEs, release the handle. Then:
 
 - success: release this rank's lease share on P (P frees its blocks);
-- failure: tell D (``PushResult``) *after* the handle is released, so D
-  never reuses a block a WRITE may still touch, then release the lease.
+- failure: tell D (``PushResult``) and release the lease, both only
+  *after* the handle is released, so D never reuses a block a WRITE may
+  still touch (the two messages go to different peers, in no fixed order).
 
 A handle that cannot be released keeps both P's blocks (lease held) and D's
 (no result sent) until it can.

@@ -1,0 +1,88 @@
+"""The outbox: ordered per peer, independent across peers, over real sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+from pdunit_utils import free_port, wait_for
+
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.outbox import Outbox
+from vllm_pd_ext.side_channel import SideChannelError, SideChannelServer
+
+HOST = "127.0.0.1"
+COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
+                          block_size=16, kv_layout="NHD", num_layers=2, num_kv_heads=1,
+                          head_size=8, tp_size=1, transfer_mode="push")
+
+
+class Recorder:
+    """A push handler that records what reaches the side channel."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def handle(self, msg: proto.Request) -> proto.Reply:
+        assert isinstance(msg, proto.PushAbort)
+        self.seen.append(msg.pd_request_id)
+        return proto.PushAbortStatus("unknown")
+
+    def on_release(self, msg: proto.LeaseRelease) -> None:
+        return
+
+
+def abort(pd_id: str) -> proto.PushAbort:
+    return proto.PushAbort(engine_id="eng-d", pd_request_id=pd_id)
+
+
+def test_messages_to_one_peer_keep_their_order() -> None:
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    box = Outbox(timeout_s=2.0)
+    replies: list[object] = []
+    try:
+        for i in range(20):
+            box.send(HOST, port, abort(f"id-{i}"), replies.append)
+        assert wait_for(lambda: len(replies) == 20)
+        assert rec.seen == [f"id-{i}" for i in range(20)]
+        assert all(r == proto.PushAbortStatus("unknown") for r in replies)
+        assert box.num_lanes == 1
+    finally:
+        box.close()
+        srv.close()
+
+
+def test_a_silent_peer_does_not_delay_messages_to_others() -> None:
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent_port = silent.bind_to_random_port(f"tcp://{HOST}")
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    box = Outbox(timeout_s=1.5)
+    done: dict[str, float] = {}
+    stuck = threading.Event()
+    try:
+        started = time.monotonic()
+        box.send(HOST, silent_port, abort("to-silent"),
+                 lambda r: (done.setdefault("silent", time.monotonic() - started),
+                            stuck.set() if isinstance(r, SideChannelError) else None))
+        box.send(HOST, port, abort("to-live"),
+                 lambda r: done.setdefault("live", time.monotonic() - started))
+        assert wait_for(lambda: "live" in done, timeout=1.0)
+        assert done["live"] < 0.5 and "silent" not in done
+        assert stuck.wait(3.0) and done["silent"] >= 1.4  # timed out on its own lane
+    finally:
+        box.close()
+        srv.close()
+        silent.close()
+        ctx.term()
+
+
+def test_closed_outbox_drops_new_messages() -> None:
+    box = Outbox(timeout_s=0.5)
+    box.close()
+    box.send(HOST, free_port(), abort("late"))
+    assert box.num_lanes == 0
