@@ -143,6 +143,10 @@ def test_push_matches_collocated_and_moves_kv(ref: Engine, push: dict[str, Any],
     assert delta(d0, d1, KV_BYTES) == blocks_for(n_tokens) * BLOCK
     assert delta(p0, p1, WRITES) == 1
     assert delta(p0, p1, BYTES_WRITTEN) == blocks_for(n_tokens) * BLOCK
+    # Push metrics: one registration matched, one WRITE with coalesced descriptors.
+    assert delta(p0, p1, "vllm:pd_ext_push_registration_wait_seconds_count") == 1
+    assert delta(p0, p1, "vllm:pd_ext_push_descriptors_per_write_count") == 1
+    assert 1 <= delta(p0, p1, "vllm:pd_ext_kv_descriptors_total") <= TINY_LAYERS * 2
 
 
 def test_push_streaming_and_chat_match_collocated(ref: Engine, push: dict[str, Any],
