@@ -10,14 +10,17 @@ Whichever of registration and prefill comes second orders the WRITEs at
 once, on its own thread: P's workers post them from their own push thread,
 so a WRITE never waits for an engine step (an idle P does not step).
 P's blocks stay pinned under a lease that cannot expire while a WRITE is
-ordered (``LeaseTable.hold``); each rank's release frees them.
+ordered (``LeaseTable.hold``); each rank's release frees them. A failed
+WRITE is reported to D here, by ``PushResult``, once every rank has
+settled, so D never reuses blocks another rank may still be writing.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import zmq
 
@@ -48,6 +51,10 @@ class PushProducer:
         self._stats_lock = threading.Lock()
         self._waits: list[float] = []
         self.num_expired_registrations = 0
+        # pd_request_id -> [D's notify host, port, first failure detail], while
+        # a WRITE is ordered. D hears of a failure only once *every* rank has
+        # settled: with TP > 1 another rank's WRITE may still be landing.
+        self._notify: dict[str, list[Any]] = {}
 
     def bind_workers(self, endpoints: dict[int, str]) -> None:
         """Connect to each worker rank's order socket (from handshake metadata)."""
@@ -109,7 +116,22 @@ class PushProducer:
         """A worker's WRITE settled (lease released for its rank)."""
         with self.leases.lock:
             for pd_id in msg.request_ids:
-                self.book.settle(pd_id, msg.tp_rank, msg.ok)
+                self._settle(pd_id, msg.tp_rank, msg.ok, msg.reason)
+
+    def _settle(self, pd_id: str, rank: int, ok: bool, detail: str) -> None:
+        """One rank will touch D's blocks no more (lock held). Once all ranks
+        settled and one failed, tell D at once."""
+        notify = self._notify.get(pd_id)
+        if notify is not None and not ok and not notify[2]:
+            notify[2] = detail or "WRITE failed"
+        outcome = self.book.settle(pd_id, rank, ok)
+        if outcome is None:
+            return
+        self._notify.pop(pd_id, None)
+        if outcome is False and notify is not None:
+            self._outbox.send(notify[0], notify[1], proto.PushResult(
+                engine_id=self.engine_id, pd_request_id=pd_id, tp_rank=-1, ok=False,
+                detail=notify[2]))
 
     # ------------------------------------------------------------ scheduler
     def prefill_done(self, pd_id: str, request_id: str, block_ids: list[int],
@@ -173,17 +195,15 @@ class PushProducer:
             problem = (f"block layout mismatch: D registered {n} blocks from block "
                        f"{reg.first_block}; P's prompt has {len(prefill.block_ids)} blocks and "
                        f"needs {expected} written")
+        elif set(range(self.tp_size)) - set(self._orders):
+            problem = "P's workers publish no write-order socket (unsupported vLLM version?)"
+        self._notify[match.pd_request_id] = [reg.notify_host, reg.notify_port, ""]
         if problem is not None:
-            logger.error("PDConnector: push %s not written: %s", match.pd_request_id, problem)
-            for rank in range(self.tp_size):
-                self.book.settle(match.pd_request_id, rank, False)
-            self._release_all(match.pd_request_id)
-            self._outbox.send(reg.notify_host, reg.notify_port, proto.PushResult(
-                engine_id=self.engine_id, pd_request_id=match.pd_request_id, tp_rank=-1,
-                ok=False, detail=problem))
+            self._fail_ranks(match, range(self.tp_size), problem)
             return
         self.leases.table.hold(match.pd_request_id)
         src = prefill.block_ids[reg.first_block:reg.first_block + n]
+        unsent = []
         for rank in range(self.tp_size):
             order = proto.WriteOrder(
                 pd_request_id=match.pd_request_id, request_id=prefill.request_id,
@@ -191,8 +211,26 @@ class PushProducer:
                 notify_host=reg.notify_host, notify_port=reg.notify_port,
                 agent=reg.agents[rank], src_block_ids=src, dst_block_ids=list(reg.block_ids),
                 post_before=match.post_before)
-            with self._order_lock:
-                self._orders[rank].send(proto.encode_order(order))
+            try:
+                with self._order_lock:
+                    # Never block under the lease lock (a full queue means a
+                    # stuck worker).
+                    self._orders[rank].send(proto.encode_order(order), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                unsent.append((rank, exc))
+        if unsent:
+            # Ranks that got their order settle it themselves; these never will.
+            self._fail_ranks(match, [r for r, _ in unsent],
+                             f"write order not delivered to P's worker: {unsent[0][1]}")
+
+    def _fail_ranks(self, match: Match[proto.PushRegister], ranks: Iterable[int],
+                    problem: str) -> None:
+        """These ranks will not write (lock held): settle them and release
+        their lease shares; D is told once no rank can write any more."""
+        logger.error("PDConnector: push %s not written: %s", match.pd_request_id, problem)
+        for rank in ranks:
+            self.leases.table.release(match.pd_request_id, rank, ok=False)
+            self._settle(match.pd_request_id, rank, False, problem)
 
     def _release_all(self, pd_id: str) -> None:
         """Release every rank's share of the lease (lock held): sweep frees."""

@@ -13,9 +13,10 @@ contiguous run, as in pull), post one WRITE carrying the notification
 other in-flight WRITEs, release the handle. Then:
 
 - success: release this rank's lease share on P (P frees its blocks);
-- failure: tell D (``PushResult``) and release the lease, both only
-  *after* the handle is released, so D never reuses a block a WRITE may
-  still touch (the two messages go to different peers, in no fixed order).
+- failure: release the lease share with ``ok=False`` and the reason, only
+  *after* the handle is released. P's scheduler tells D (``PushResult``)
+  once every rank has settled, so D never reuses a block a WRITE may still
+  touch.
 
 A handle that cannot be released keeps both P's blocks (lease held) and D's
 (no result sent) until it can.
@@ -169,15 +170,12 @@ class Pusher:
     def _finish_failed(self, order: proto.WriteOrder, detail: str) -> None:
         logger.error("PDConnector: push %s to engine %s failed: %s", order.pd_request_id,
                      order.d_engine_id, detail)
-        self._outbox.send(order.notify_host, order.notify_port, proto.PushResult(
-            engine_id=self.engine_id, pd_request_id=order.pd_request_id, tp_rank=self.tp_rank,
-            ok=False, detail=detail))
         self._release(order, ok=False, reason=detail)
 
     def _release(self, order: proto.WriteOrder, ok: bool, reason: str) -> None:
         self._outbox.send(self.own[0], self.own[1], proto.LeaseRelease(
             engine_id=self.engine_id, request_ids=[order.pd_request_id], tp_rank=self.tp_rank,
-            ok=ok, reason=reason[:200]))
+            ok=ok, reason=reason[:500]))
 
     @property
     def num_in_flight(self) -> int:

@@ -118,7 +118,7 @@ class PDWorker:
         self._jobs: dict[str, RecvJob] = {}
         self._report = LoadReport()
         self._stats = PDStats()
-        # The push thread records its WRITEs from another thread.
+        # Guards _stats: the push thread records its WRITEs from another thread.
         self._stats_lock = threading.Lock()
         self.pusher: Pusher | None = None
         self.receiver: PushReceiver | None = None
@@ -379,8 +379,9 @@ class PDWorker:
             raise _LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
         done = time.monotonic()
         copied = job.done_at or done
-        self._stats.record_transfer(job.nbytes, job.ndescs, len(job.spec.local_block_ids),
-                                    copied - job.posted, done - job.arrived)
+        with self._stats_lock:
+            self._stats.record_transfer(job.nbytes, job.ndescs, len(job.spec.local_block_ids),
+                                        copied - job.posted, done - job.arrived)
         del self._jobs[job.spec.request_id]
         self._report.add_done(job.spec.request_id)
         self._send_release(job.spec, ok=True, reason="")
@@ -426,7 +427,8 @@ class PDWorker:
             logger.info("PDConnector: request %s ended before its KV arrived (%s); P confirmed "
                         "no WRITE can land, releasing its blocks", rid, detail)
             return
-        self._stats.inc("num_failures")
+        with self._stats_lock:
+            self._stats.inc("num_failures")
         self._report.add_failed(rid, block_ids)
         logger.error("PDConnector: KV load for request %s failed (%s): %s; "
                      "kv_load_failure_policy applies", rid, reason.value, detail)

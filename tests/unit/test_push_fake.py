@@ -4,8 +4,9 @@ P: a real ``Pusher`` (ZMQ PULL on 127.0.0.1) over a ctypes buffer, fed
 ``WriteOrder``s through a PUSH socket; its lease releases go to a real
 ``SideChannelServer`` with a lease table (P's own side channel). D: a
 FakeTransport over a numpy buffer, a ``PushReceiver``, and a second
-``SideChannelServer`` that records P's ``PushResult``s. Every message either
-server receives is logged in arrival order.
+``SideChannelServer`` standing for D's side channel: the worker never sends
+to it (P's scheduler tells D of a failure once every rank settled). Every
+message either server receives is logged in arrival order.
 """
 
 from __future__ import annotations
@@ -159,15 +160,14 @@ def spec(pd_id="pd1") -> PushRecvSpec:
 
 
 def assert_failed(rig: Rig, pd_id: str, detail: str) -> None:
-    """P told D and released its lease share with ok=False (each on its own
-    outbox lane: their relative order is not defined, and safety does not
-    need it; both leave only after the WRITE's handle was released)."""
-    assert wait_for(lambda: rig.messages(proto.LeaseRelease) and rig.messages(proto.PushResult))
-    [result] = rig.messages(proto.PushResult)
-    assert result.pd_request_id == pd_id and result.ok is False and result.tp_rank == 0
-    assert detail in result.detail
+    """P's worker released its lease share with ok=False and the reason (only
+    after the WRITE's handle was released); it sends nothing to D itself."""
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
     [release] = rig.messages(proto.LeaseRelease)
-    assert release.request_ids == [pd_id] and release.ok is False
+    assert release.request_ids == [pd_id] and release.ok is False and release.tp_rank == 0
+    assert detail in release.reason
+    time.sleep(0.05)
+    assert rig.messages(proto.PushResult) == []
     assert rig.lease(pd_id).state is LeaseState.RELEASED
     assert rig.lease(pd_id).release_ok is False
 

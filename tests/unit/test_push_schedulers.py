@@ -69,10 +69,10 @@ class Pair:
             return None
         return proto.decode_order(self.orders.recv())
 
-    def settle_write(self, pd_id: str, ok: bool = True) -> None:
+    def settle_write(self, pd_id: str, ok: bool = True, reason: str = "") -> None:
         """What P's worker sends when its WRITE finished."""
         self.client.request(HOST, self.p_port, proto.LeaseRelease(
-            engine_id="eng-p", request_ids=[pd_id], tp_rank=0, ok=ok))
+            engine_id="eng-p", request_ids=[pd_id], tp_rank=0, ok=ok, reason=reason))
 
     def close(self) -> None:
         self.client.close()
@@ -271,6 +271,24 @@ def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
     reason, detail = wait_push_fail(pair, d_req)  # well before D's 30 s push_timeout
     assert reason == "transfer_error" and "ended with FINISHED_ABORTED" in detail
     assert pair.next_order(100) is None
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert d_req.is_finished()  # kv_load_failure_policy=fail
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
+
+
+def test_failed_write_reaches_d_through_p_scheduler_at_once(pair: Pair) -> None:
+    d_req, _ = admit_on_d(pair, "pd-wfail", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-wfail") == "registered")
+    prefill_on_p(pair, "pd-wfail", 150)
+    assert pair.next_order() is not None
+    pair.settle_write("pd-wfail", ok=False, reason="NIXL reported an error for the WRITE")
+    reason, detail = wait_push_fail(pair, d_req)  # well before D's 30 s push_timeout
+    assert reason == "transfer_error"
+    assert detail == "P could not write the KV: NIXL reported an error for the WRITE"
     step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
     step(pair.d)
     assert d_req.is_finished()  # kv_load_failure_policy=fail
