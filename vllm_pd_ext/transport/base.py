@@ -1,23 +1,52 @@
 """The transport interface: one worker's view of moving KV blocks.
 
-Contract (who calls what, in which order):
+Implementations: ``nixl.NixlTransport`` (one NIXL agent per worker) and
+``fake.FakeTransport`` (in-process, for tests). Only ``PDWorker`` and the
+objects it starts (``Pusher``, ``PushReceiver``) call a transport.
 
-1. ``register(regions, mem_type)`` once, after vLLM allocated the KV cache.
-2. ``agent_name`` / ``metadata()`` are published through the side channel.
-3. ``add_peer(metadata)`` when a peer's handshake arrives; returns the peer
-   name used below. ``remove_peer`` when the peer is known dead or restarted.
-4. ``post_read(peer, descs)`` copies remote bytes into local memory and
-   returns a handle; ``poll(handle)`` drives progress and returns the state;
-   ``release(handle)`` frees the handle and returns False if the transfer
-   may still be in flight (the caller must then keep the destination blocks
-   and poll again later). ``post_write`` (push mode) is the mirror image and
-   delivers ``notif`` to the peer after the data; the peer collects it with
-   ``take_notifs``.
-5. ``close()`` at worker shutdown.
+Contract (who calls what, on which thread, in which order):
 
-Calls come from the engine step, the poster thread (pull), the push thread
-(push) and the progress pump; the NIXL implementation runs its agent in
-NIXL's strict thread-safe mode.
+1. ``register(regions, mem_type, device_id)``: once, from
+   ``PDWorker.register_kv_caches`` on the worker's step thread, after vLLM
+   allocated the KV cache. Raises ``TransportError`` if the memory cannot
+   be registered.
+2. ``start_progress_pump(interval_s)``: right after, on the transfer's
+   target only (P's worker in pull mode, D's in push mode) and only when
+   NIXL's own progress thread is off and ``nixl_progress_interval_ms`` > 0.
+   Not abstract: the default does nothing (the fake needs no progress);
+   NIXL starts the ``pd-nixl-progress`` thread.
+3. ``agent_name`` / ``metadata()``: read once by ``register_kv_caches`` into
+   the worker's ``AgentInfo``, which peers receive over the side channel
+   (pull: in P's ``HandshakeReply``; push: in D's ``PushRegister``).
+4. ``add_peer(metadata)`` loads a peer's metadata and returns the peer name
+   used below (``TransportError`` if refused); ``remove_peer(peer)`` drops
+   it when it failed or restarted and no transfer with it is in flight
+   (never raises). Pull: D's step thread after a handshake; push: P's
+   ``pd-push`` thread on the first order for a D agent.
+5. ``post_read(peer, descs, remote_device_id)`` (pull, D's ``pd-post``
+   thread) and ``post_write(peer, descs, remote_device_id, notif)`` (push,
+   P's ``pd-push`` thread) start a transfer of ``(local_addr, remote_addr,
+   nbytes)`` descriptors and return a handle; ``TransportError`` if it
+   could not be posted (nothing in flight). On one host the copy may run
+   inside the call. A WRITE delivers ``notif`` to the peer after the data.
+6. ``poll(handle)`` returns ``PROC``, ``DONE`` or ``ERR`` (errors are
+   reported as ``ERR``, never raised): pull, once on the ``pd-post`` thread
+   right after the post, then on D's step thread; push, on ``pd-push``.
+7. ``release(handle)`` once the transfer ended or its deadline passed, on
+   the thread that polls it: False if the transfer may still touch memory,
+   in which case the caller keeps the blocks on both sides and tries again
+   later.
+8. ``take_notifs()``: push, D's step thread (``PushReceiver.collect``): the
+   notifications received from any peer since the last call, including
+   those the progress pump collected meanwhile.
+9. ``close()`` at worker shutdown (``PDWorker.shutdown``), after the
+   ``pd-push`` and ``pd-post`` threads stopped; stops the progress pump and
+   deregisters the memory.
+
+One transport is thus called from up to three threads at once (the step
+thread, ``pd-post`` or ``pd-push``, and ``pd-nixl-progress``); the NIXL
+implementation runs its agent in NIXL's strict thread-safe mode
+(``NIXL_THREAD_SYNC_STRICT``).
 """
 
 from __future__ import annotations
