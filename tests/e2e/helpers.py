@@ -7,10 +7,12 @@ import random
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vllm_pd_ext.testing.engines import REPO, Engine
+from vllm_pd_ext.testing.oracle import Output, Verdict, compare, near_tie_nats, output_of
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 TINY_LAYERS = 4
@@ -45,9 +47,24 @@ def completion_body(model: str, prompt: Any, max_tokens: int = 12, **extra: Any
     return body
 
 
-def generated(body: dict[str, Any]) -> tuple[str, Any]:
-    choice = body["choices"][0]
-    return choice.get("text") or choice.get("message", {}).get("content"), choice.get("token_ids")
+def assert_same_as_reference(ref: Engine, got: Mapping[str, Any] | Output,
+                             want: Mapping[str, Any] | Output) -> Verdict:
+    """The suite's equality oracle (vllm_pd_ext/testing/oracle.py, rule in
+    docs/testing.md): ``got`` (a P/D answer) must be the collocated ``ref``
+    engine's own greedy output ``want`` token for token, or differ from it
+    only where ``ref`` itself rates ``got``'s token within the near-tie
+    epsilon of its best at every generated position. Both answers need
+    ``return_token_ids``."""
+    g = got if isinstance(got, Output) else output_of(got)
+    w = want if isinstance(want, Output) else output_of(want)
+    assert g.prompt == w.prompt, "the P/D answer and the reference saw different prompts"
+    verdict = compare(ref.url, ref.model, g.prompt, g.tokens, w.tokens, near_tie_nats(ref.dtype))
+    assert verdict.same, f"P/D output differs from the collocated engine's: {verdict.detail}"
+    if verdict.exact:
+        assert g.text == w.text
+    else:
+        print(f"oracle: {verdict.summary()}")  # shown with -rP and on a later failure
+    return verdict
 
 
 def prefill(p: Engine, body: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.helpers import EXTERNAL, completion_body, delta, generated, log_dir, token_prompt
+from tests.e2e.helpers import (
+    EXTERNAL,
+    assert_same_as_reference,
+    completion_body,
+    delta,
+    log_dir,
+    token_prompt,
+)
 from vllm_pd_ext.testing.engines import Engine, Proxy
 
 pytestmark = pytest.mark.engine
@@ -44,5 +51,5 @@ def test_intree_nixl_connector_behind_our_proxy(ref: Engine, nixl_pd: tuple[Engi
         status, got = proxy.post("/v1/completions", body, timeout=180)
         after = d.metrics()
         assert status == 200, got
-        assert generated(got) == generated(want)
+        assert_same_as_reference(ref, got, want)
         assert delta(before, after, EXTERNAL) == n

@@ -16,10 +16,10 @@ from tests.e2e.helpers import (
     KV_BYTES,
     TINY_BLOCK_BYTES,
     TINY_LAYERS,
+    assert_same_as_reference,
     blocks_for,
     completion_body,
     delta,
-    generated,
     pd_complete,
     poke,
     prefill,
@@ -49,7 +49,7 @@ def test_pull_matches_collocated_and_moves_kv(
     assert status == 200, got
     after = d.metrics()
 
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert got["usage"]["prompt_tokens"] == n_tokens
     assert delta(before, after, EXTERNAL) == n_tokens
     assert delta(before, after, KV_BYTES) == blocks_for(n_tokens) * TINY_LAYERS * TINY_BLOCK_BYTES
@@ -71,7 +71,7 @@ def test_prefix_shared_with_earlier_prompt_reads_only_missing_blocks(
     assert status == 200, got
     after = d.metrics()
 
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(before, after, CACHE_HIT) == 2 * BLOCK_SIZE
     assert delta(before, after, EXTERNAL) == 90
     assert delta(before, after, KV_BYTES) == 1 * TINY_LAYERS * TINY_BLOCK_BYTES

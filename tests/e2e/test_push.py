@@ -23,10 +23,10 @@ from tests.e2e.helpers import (
     KV_BYTES,
     TINY_BLOCK_BYTES,
     TINY_LAYERS,
+    assert_same_as_reference,
     blocks_for,
     completion_body,
     delta,
-    generated,
     log_dir,
     poke,
     stream_text,
@@ -34,6 +34,7 @@ from tests.e2e.helpers import (
 )
 from tests.e2e.test_pull import CASES
 from vllm_pd_ext.testing.engines import Engine, Proxy, running
+from vllm_pd_ext.testing.oracle import stream_output
 
 pytestmark = pytest.mark.engine
 
@@ -138,7 +139,7 @@ def test_push_matches_collocated_and_moves_kv(ref: Engine, push: dict[str, Any],
     status, got = post_json(proxy.url + "/v1/completions", body)
     assert status == 200, got
     p1, d1 = p_metrics(p, model), d.metrics()
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(d0, d1, EXTERNAL) == n_tokens
     assert delta(d0, d1, KV_BYTES) == blocks_for(n_tokens) * BLOCK
     assert delta(p0, p1, WRITES) == 1
@@ -156,13 +157,16 @@ def test_push_streaming_and_chat_match_collocated(ref: Engine, push: dict[str, A
     _, want = ref.post("/v1/completions", body)
     before = d.metrics()
     text, events = stream_text(proxy.url + "/v1/completions", body)
-    assert text == generated(want)[0] and events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]"
+    streamed = stream_output(events)
+    assert streamed.text == text
+    assert_same_as_reference(ref, streamed, want)
     chat = {"model": model, "messages": [{"role": "user", "content": "tell me about blocks"}],
-            "max_tokens": 10, "temperature": 0}
+            "max_tokens": 10, "temperature": 0, "return_token_ids": True}
     _, want_chat = ref.post("/v1/chat/completions", chat)
     status, got_chat = post_json(proxy.url + "/v1/chat/completions", chat)
     assert status == 200, got_chat
-    assert generated(got_chat)[0] == generated(want_chat)[0]
+    assert_same_as_reference(ref, got_chat, want_chat)
     after = d.metrics()
     assert delta(before, after, EXTERNAL) == 222 + got_chat["usage"]["prompt_tokens"]
 
@@ -182,7 +186,7 @@ def test_partial_prefix_hit_on_d_writes_only_missing_blocks(ref: Engine, push: d
     status, got = post_json(proxy.url + "/v1/completions", body)
     assert status == 200, got
     p1, d1 = p_metrics(p, model), d.metrics()
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(d0, d1, EXTERNAL) == 90
     assert delta(d0, d1, "vllm:prompt_tokens_by_source_total[local_cache_hit]") == 256
     assert delta(d0, d1, KV_BYTES) == 1 * BLOCK
@@ -211,7 +215,7 @@ def test_registration_before_prefill_waits_beyond_p_lease(ref: Engine, push: dic
     leg.join(60)
     status, got = result["out"]
     assert status == 200, got
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(d0, d.metrics(), EXTERNAL) == 150
 
 
@@ -357,7 +361,7 @@ def test_p_that_cannot_write_recomputes_under_recompute_policy(
                                                           d_body)
     assert status == 200, got
     assert took < D_DEADLINE_S / 2
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(d0, d.metrics(), EXTERNAL) == 0  # recomputed on D, nothing loaded
 
 
@@ -398,7 +402,7 @@ def test_p_and_d_restarts_are_detected_and_the_next_push_works(
     _, want = ref.post("/v1/completions", body)
     d0 = d.metrics()
     got, _ = until_ok(proxy, body)
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert delta(d0, d.metrics(), EXTERNAL) == 260
 
     d.stop()
@@ -406,7 +410,7 @@ def test_p_and_d_restarts_are_detected_and_the_next_push_works(
     body = completion_body(model, token_prompt(300, seed=73), max_tokens=8)
     _, want = ref.post("/v1/completions", body)
     got, _ = until_ok(proxy, body)
-    assert generated(got) == generated(want)
+    assert_same_as_reference(ref, got, want)
     assert d.metrics()[EXTERNAL] == 300  # a fresh D: everything it holds came from P
     assert p.log_text().count("push peer ") == 2  # the old D's agent, then the new one's
 
@@ -461,4 +465,5 @@ def test_malformed_push_params_fail_only_that_request(ref: Engine, push: dict[st
     assert "do_remote_prefill (push mode) needs pd_request_id" in d.log_text()
     _, want = ref.post("/v1/completions", body)
     status, got = post_json(proxy.url + "/v1/completions", body)
-    assert status == 200 and generated(got) == generated(want)
+    assert status == 200, got
+    assert_same_as_reference(ref, got, want)

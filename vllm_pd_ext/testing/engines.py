@@ -67,6 +67,8 @@ class Engine:
     kv_bytes: int = 256 << 20
     cpu_bind: str | None = None
     max_model_len: int = 2048
+    #: The tests' equality oracle takes its near-tie epsilon from this.
+    dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
@@ -85,7 +87,7 @@ class Engine:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(self.max_model_len), "--enforce-eager",
-            "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(self.kv_bytes),
+            "--dtype", self.dtype, "--kv-cache-memory-bytes", str(self.kv_bytes),
             "--max-num-seqs", "32",
         ]
         if self.connector is not None:
