@@ -1,5 +1,6 @@
 """1P1D demo on CPU: one prefill and one decode vLLM engine with PDConnector
-(over NIXL) behind vllm-pd-proxy. Prints the generated text and how many KV
+(over NIXL) behind vllm-pd-proxy. Prints the generated text, whether it
+matches what a single engine generates for the same prompt, and how many KV
 bytes moved from P to D, then stops everything it started.
 
     ./examples/demo.sh                        # pull mode: D reads P's blocks
@@ -13,6 +14,7 @@ import sys
 import time
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
+from vllm_pd_ext.testing.oracle import compare, near_tie_nats, output_of
 
 PROMPT = (
     "def fibonacci(n):\n"
@@ -53,12 +55,24 @@ def main() -> int:
         t0 = time.perf_counter()
         status, body = proxy.post("/v1/completions", {
             "model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens,
-            "temperature": 0})
+            "temperature": 0, "return_token_ids": True})
         elapsed = time.perf_counter() - t0
         if status != 200:
             print(f"request failed: HTTP {status}: {body}")
             return 1
         after = d.metrics()
+        # The single-engine answer: P serves the same prompt alone (no KV
+        # transfer); the salt keeps it off P's prefix cache, so it is one
+        # ordinary prefill + decode. The rule: docs/testing.md.
+        pd_out = output_of(body)
+        status, alone = p.post("/v1/completions", {
+            "model": args.model, "prompt": list(pd_out.prompt), "max_tokens": args.max_tokens,
+            "temperature": 0, "return_token_ids": True, "cache_salt": "demo-single-engine"})
+        if status != 200:
+            print(f"single-engine request failed: HTTP {status}: {alone}")
+            return 1
+        verdict = compare(p.url, args.model, pd_out.prompt, pd_out.tokens,
+                          output_of(alone).tokens, near_tie_nats(p.dtype))
         # Push: P counts its WRITEs when it next steps (an idle P does not).
         p.post("/v1/completions", {"model": args.model, "prompt": [1, 2], "max_tokens": 1})
         p_after = p.metrics()
@@ -72,6 +86,10 @@ def main() -> int:
         kv_bytes = delta("vllm:pd_ext_kv_bytes_total")
         print("\n=== generated text ===")
         print(repr(body["choices"][0]["text"]))
+        print("(the tiny model has random weights, so the text is noise: what matters is that "
+              "it is the text one engine alone generates)")
+        print(f"matches a single engine: {'yes' if verdict.same else 'no'} "
+              f"({verdict.summary()})")
         print("\n=== KV handoff P -> D ===")
         print(f"prompt tokens:          {body['usage']['prompt_tokens']}")
         print(f"tokens loaded as KV:    "
@@ -84,7 +102,7 @@ def main() -> int:
             print(f"P's WRITEs / bytes:     {p_delta('vllm:pd_ext_kv_writes_total')} / "
                   f"{p_delta('vllm:pd_ext_kv_bytes_written_total')}")
         print(f"request latency:        {elapsed * 1e3:.0f} ms")
-        return 0 if kv_bytes > 0 else 2
+        return 0 if kv_bytes > 0 and verdict.same else 2
     finally:
         if proxy is not None:
             proxy.stop()
