@@ -115,6 +115,10 @@ class HeartbeatSender:
             logger.warning("PDConnector: heartbeat/release to %s:%d failed: %s",
                            endpoint[0], endpoint[1], exc)
             return None
+        except Exception:  # the thread serves every request on this D: never end it
+            logger.exception("PDConnector: heartbeat/release to %s:%d failed",
+                             endpoint[0], endpoint[1])
+            return None
         if not isinstance(msg, proto.LeaseRenew) or not isinstance(reply, proto.LeaseStatus):
             return None
         self.num_sent += len(msg.request_ids)

@@ -122,9 +122,12 @@ class LeaseTable:
         return True
 
     def release(self, request_id: str, rank: int = 0, ok: bool = True) -> bool:
-        """Record that ``rank`` is done; True when the lease is now fully released."""
+        """Record that ``rank`` is done; True when the lease is now fully released.
+        A rank outside ``0..num_consumers-1`` is ignored: it would otherwise
+        count as one more consumer and end the lease while a real rank may
+        still be reading."""
         lease = self._leases.get(request_id)
-        if lease is None:
+        if lease is None or not 0 <= rank < lease.num_consumers:
             return False
         lease.released_ranks.add(rank)
         lease.release_ok = lease.release_ok and ok

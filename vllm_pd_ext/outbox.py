@@ -64,6 +64,10 @@ class _Lane:
                     result = client.request(host, port, msg)
                 except SideChannelError as exc:
                     result = exc
+                except Exception as exc:  # never let one message end the lane
+                    logger.exception("PDConnector: %s to %s:%d failed", type(msg).__name__,
+                                     host, port)
+                    result = SideChannelError(f"{type(exc).__name__}: {exc}")
                 if callback is not None:
                     try:
                         callback(result)

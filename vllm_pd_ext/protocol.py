@@ -14,11 +14,51 @@ different versions refuse each other at the handshake):
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final
+import re
+from typing import Annotated, Any, Final
 
 import msgspec
 
 PROTOCOL_VERSION: Final = 2
+
+# Bounds on everything that arrives from a client or a peer: a hostile or
+# buggy field gets a decode error naming it, never a loop, an allocation or a
+# lock hold that grows with it. Each limit is far above any real deployment.
+#: Largest side-channel frame (a ``PushRegister`` carries every rank's NIXL
+#: metadata: kilobytes per rank).
+MAX_FRAME_BYTES: Final = 16 << 20
+MAX_ENGINE_ID_LEN: Final = 256
+#: Request ids can carry a client's X-Request-Id (HTTP headers: <= 8 KiB).
+MAX_REQUEST_ID_LEN: Final = 8192
+MAX_IDS_PER_MESSAGE: Final = 4096
+#: Block ids per request: 2**20 blocks of 16 tokens is a 16M-token prompt.
+MAX_BLOCKS: Final = 1 << 20
+MAX_TP_SIZE: Final = 1024
+MAX_TTL_S: Final = 3600.0
+#: A DNS name (labels of letters, digits, ``-``, ``_``), an IPv4 address or
+#: an IPv6 literal (optionally bracketed). Excludes what would change the
+#: meaning of ``tcp://HOST:PORT`` (spaces, ``/``, ``@``, non-ASCII).
+HOST_PATTERN: Final = (r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*"
+                       r"|\[?[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\]?)$")
+
+EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LEN)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+RequestIds = Annotated[list[RequestId], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+Host = Annotated[str, msgspec.Meta(max_length=253, pattern=HOST_PATTERN)]
+Port = Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+BlockId = Annotated[int, msgspec.Meta(ge=0)]
+BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS)]
+Ttl = Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
+
+
+def tcp_address(host: str, port: int) -> str:
+    """``tcp://host:port`` for zmq; IPv6 literals in brackets."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
 
 #: ``LeaseStatus.remaining_s`` sentinels.
 LEASE_UNKNOWN: Final = -1.0
@@ -38,11 +78,12 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_engine_id: str | None = None
+    remote_engine_id: Annotated[str, msgspec.Meta(max_length=MAX_ENGINE_ID_LEN)] | None = None
     # vLLM sends a tuple of per-KV-cache-group lists; older peers a flat list.
-    remote_block_ids: list[list[int] | int] | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
+    remote_block_ids: Annotated[list[BlockIds | BlockId],
+                                msgspec.Meta(max_length=MAX_BLOCKS)] | None = None
+    remote_request_id: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] | None = None
+    remote_host: Annotated[str, msgspec.Meta(max_length=253)] | None = None
     remote_port: int | None = None
     tp_size: int = 1
     pp_size: int = 1
@@ -52,7 +93,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_mode: str | None = None
     remote_prefill_cached_tokens: int | None = None
     pd_ext_probe: bool = False
-    pd_request_id: str | None = None
+    pd_request_id: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] | None = None
 
     @property
     def mode(self) -> str:
@@ -117,11 +158,22 @@ def decode_params(raw: Any) -> KVTransferParams | None:
             )
         if params.remote_port is not None and not 0 < params.remote_port < 65536:
             raise ParamsError(f"kv_transfer_params.remote_port out of range: {params.remote_port}")
+        if params.remote_host is not None and not valid_host(params.remote_host):
+            raise ParamsError(f"kv_transfer_params.remote_host is not a host name or IP "
+                              f"address: {params.remote_host[:80]!r}")
         if not push and not params.flat_remote_block_ids():  # also validates the shape
             raise ParamsError("kv_transfer_params.remote_block_ids is empty")
-        if params.tp_size < 1:
-            raise ParamsError(f"kv_transfer_params.tp_size must be >= 1, got {params.tp_size}")
+        if not 1 <= params.tp_size <= MAX_TP_SIZE:
+            raise ParamsError(f"kv_transfer_params.tp_size must be in 1..{MAX_TP_SIZE}, "
+                              f"got {params.tp_size}")
     return params
+
+
+_host_re = re.compile(HOST_PATTERN)
+
+
+def valid_host(host: str) -> bool:
+    return len(host) <= 253 and _host_re.match(host) is not None
 
 
 # --------------------------------------------------------------------------
@@ -171,22 +223,22 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's NIXL identity and KV layout, gathered by the scheduler."""
 
-    tp_rank: int
-    agent_name: str
+    tp_rank: Rank
+    agent_name: EngineId
     agent_metadata: bytes
     mem_type: str
     device_id: int = 0
-    regions: list[Region]
+    regions: Annotated[list[Region], msgspec.Meta(max_length=1 << 16)]
 
 
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake", kw_only=True):
-    engine_id: str
-    tp_rank: int
+    engine_id: EngineId
+    tp_rank: Rank
     compat: CompatInfo
 
 
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only=True):
-    engine_id: str
+    engine_id: EngineId
     compat: CompatInfo
     agent: AgentInfo
 
@@ -194,23 +246,23 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only
 class LeaseRenew(msgspec.Struct, frozen=True, tag="renew", kw_only=True):
     """Heartbeat (``acquire=False``) or read pin (``acquire=True``)."""
 
-    engine_id: str
-    request_ids: list[str]
+    engine_id: EngineId
+    request_ids: RequestIds
     acquire: bool = False
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):
     """Per requested id: seconds left, or ``LEASE_UNKNOWN`` / ``LEASE_EXPIRED``."""
 
-    remaining_s: list[float]
+    remaining_s: Annotated[list[float], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
 class LeaseRelease(msgspec.Struct, frozen=True, tag="release", kw_only=True):
     """D is done with P's blocks (read finished, failed, or not needed)."""
 
-    engine_id: str
-    request_ids: list[str]
-    tp_rank: int
+    engine_id: EngineId
+    request_ids: RequestIds
+    tp_rank: Rank
     ok: bool = True
     reason: str = ""
 
@@ -231,20 +283,20 @@ class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=Tru
     before ``first_block`` are D's prefix-cache hit and are not written.
     """
 
-    engine_id: str
+    engine_id: EngineId
     compat: CompatInfo
     #: The P engine id D was told about; a restarted P refuses the registration.
-    expect_engine_id: str
-    pd_request_id: str
-    request_id: str
-    notify_host: str
-    notify_port: int
-    agents: list[AgentInfo]
-    first_block: int
-    block_ids: list[int]
-    num_tokens: int
+    expect_engine_id: EngineId
+    pd_request_id: RequestId
+    request_id: RequestId
+    notify_host: Host
+    notify_port: Port
+    agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=MAX_TP_SIZE)]
+    first_block: BlockId
+    block_ids: BlockIds
+    num_tokens: Annotated[int, msgspec.Meta(ge=0)]
     #: P posts no WRITE later than this many seconds after receipt.
-    ttl_s: float
+    ttl_s: Ttl
 
 
 class PushAccepted(msgspec.Struct, frozen=True, tag="push_accepted", kw_only=True):
@@ -256,8 +308,8 @@ class PushAccepted(msgspec.Struct, frozen=True, tag="push_accepted", kw_only=Tru
 class PushAbort(msgspec.Struct, frozen=True, tag="push_abort", kw_only=True):
     """D -> P: D will not take the KV of ``pd_request_id`` (any state)."""
 
-    engine_id: str
-    pd_request_id: str
+    engine_id: EngineId
+    pd_request_id: RequestId
     reason: str = ""
 
 
@@ -277,9 +329,10 @@ class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):
     byte will land later). Success travels as NIXL's notification instead,
     ordered after the data."""
 
-    engine_id: str
-    pd_request_id: str
-    tp_rank: int
+    engine_id: EngineId
+    pd_request_id: RequestId
+    #: -1: P's scheduler, speaking for every rank once all have settled.
+    tp_rank: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP_SIZE)]
     ok: bool
     detail: str = ""
 

@@ -86,14 +86,26 @@ class Pusher:
             # Poll the socket briefly while WRITEs are in flight, else idle.
             if poller.poll(1 if self._inflight else 200):
                 try:
-                    data = self._sock.recv(zmq.NOBLOCK)
-                    self._start(proto.decode_order(data))
+                    order = proto.decode_order(self._sock.recv(zmq.NOBLOCK))
                 except zmq.ZMQError:
-                    pass
+                    order = None
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     logger.error("PDConnector: malformed write order dropped: %s", exc)
+                    order = None
+                if order is not None:
+                    try:
+                        self._start(order)
+                    except Exception:  # this order only; keep writing the others
+                        # Only the post itself gets here: it may have started,
+                        # so the blocks stay pinned (a leak, never corruption).
+                        logger.exception("PDConnector: WRITE for %s failed while posting; "
+                                         "its blocks stay pinned", order.pd_request_id)
             if self._inflight:
-                self._progress()
+                try:
+                    self._progress()
+                except Exception:
+                    logger.exception("PDConnector: push progress failed; retrying")
+                    time.sleep(0.1)  # no hot loop on a persistent error
 
     def _start(self, order: proto.WriteOrder) -> None:
         if time.monotonic() >= order.post_before:
@@ -104,6 +116,11 @@ class Pusher:
             peer = self._peer(order.agent)
             descs = build_descriptors(order.src_block_ids, order.dst_block_ids, self.regions,
                                       order.agent.regions)
+        except Exception as exc:  # nothing posted: releasing the blocks is safe
+            self._drop_peer(order.agent.agent_name)
+            self._finish_failed(order, f"WRITE could not be prepared: {exc}")
+            return
+        try:
             # Timed from before the post: on one host UCX copies inside it.
             posted = time.monotonic()
             handle = self.transport.post_write(peer, descs, order.agent.device_id,

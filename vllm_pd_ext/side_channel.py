@@ -75,6 +75,13 @@ class LeaseService:
     def release(self, msg: proto.LeaseRelease) -> proto.Ack:
         with self.lock:
             for rid in msg.request_ids:
+                lease = self.table.get(rid)
+                if lease is not None and not 0 <= msg.tp_rank < lease.num_consumers:
+                    logger.warning(
+                        "PDConnector: release of request %s from engine %s names rank %d; "
+                        "the lease has %d consumer rank(s): ignored", rid, msg.engine_id,
+                        msg.tp_rank, lease.num_consumers)
+                    continue
                 if not self.table.release(rid, msg.tp_rank, msg.ok) and rid not in self.table:
                     self.num_late_messages += 1
                     logger.info(
@@ -114,6 +121,9 @@ class SideChannelServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # zmq drops a larger frame and disconnects its sender before any of
+        # it is buffered whole: a hostile peer cannot make us allocate more.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
         try:
             self._sock.bind(self.address)
         except zmq.ZMQError as exc:
@@ -215,23 +225,28 @@ class SideChannelClient:
         self._clock = clock
 
     def request(self, host: str, port: int, msg: proto.Request) -> proto.Reply:
-        addr = f"tcp://{host}:{port}"
+        addr = proto.tcp_address(host, port)
         sock = self._socks.get(addr)
-        if sock is None:
-            sock = self._ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-            sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-            sock.connect(addr)
-            self._socks[addr] = sock
         try:
+            if sock is None:
+                sock = self._ctx.socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+                sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+                sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+                self._socks[addr] = sock
+                # Inside the try: libzmq refuses some addresses here
+                # (``tcp://p 1:5600``), and that must fail this request only.
+                sock.connect(addr)
             sock.send(proto.encode(msg))
             data = sock.recv()
         except zmq.ZMQError as exc:
-            sock.close()
-            del self._socks[addr]
+            if sock is not None:
+                sock.close()
+            self._socks.pop(addr, None)
             raise SideChannelError(
                 f"side channel {addr} did not answer within {self.timeout_ms} ms ({exc})"
+                if exc.errno == zmq.EAGAIN else f"side channel {addr}: {exc}"
             ) from exc
         try:
             reply = proto.decode_reply(data)

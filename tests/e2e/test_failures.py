@@ -15,6 +15,7 @@ from tests.e2e.helpers import (
     completion_body,
     delta,
     log_dir,
+    pd_complete,
     poke,
     prefill,
     token_prompt,
@@ -94,6 +95,41 @@ def test_malformed_kv_transfer_params_fail_the_request_only(d: Engine, ref: Engi
     _, want = ref.post("/v1/completions", ok_body)
     assert status == 200, got
     assert_same_as_reference(ref, got, want)
+
+
+HOSTILE = {  # field -> a value a client can send straight to D's HTTP port
+    "remote_host": "p 1",  # libzmq refuses it in connect(): once killed pd-heartbeats
+    "tp_size": 10**9,  # once looped a billion ranks: D's engine core was OOM-killed
+    "remote_request_id": "x" * 10_000,
+    "remote_block_ids": [[7] * (2**20 + 1)],
+}
+
+
+def test_hostile_params_fail_their_request_only(p: Engine, d: Engine, ref: Engine, model: str
+                                                ) -> None:
+    """Each hostile field is refused at decode time, in well under a second,
+    naming the field; D stays up and the next genuine handoff moves KV."""
+    body = completion_body(model, token_prompt(140, seed=39), max_tokens=6)
+    for field, value in HOSTILE.items():
+        params = {"do_remote_prefill": True, "remote_engine_id": "eng-x",
+                  "remote_request_id": "req-x", "remote_host": "127.0.0.1",
+                  "remote_port": p.side_channel_port, "remote_block_ids": [[1, 2]],
+                  "remote_num_tokens": 140, field: value}
+        started = time.monotonic()
+        status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
+        assert status >= 400, (field, got)
+        assert time.monotonic() - started < 10, field
+        assert f"kv_transfer_params.{field}" in d.log_text() or (
+            f"`{field}" in d.log_text()), field
+        assert d.alive()
+    assert "Exception in thread" not in d.log_text()
+    _, want = ref.post("/v1/completions", body)
+    before = d.metrics()
+    status, got = pd_complete(p, d, body)
+    after = d.metrics()
+    assert status == 200, got
+    assert_same_as_reference(ref, got, want)
+    assert delta(before, after, EXTERNAL) == 140
 
 
 def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,

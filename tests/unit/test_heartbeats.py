@@ -106,3 +106,32 @@ def test_dead_p_does_not_starve_a_live_one(p_side) -> None:
         assert sweep(leases) == ([], [])  # kept alive despite the dead endpoint
     finally:
         sender.close()
+
+
+def test_sender_thread_survives_any_exception_and_serves_other_peers(p_side, monkeypatch
+                                                                     ) -> None:
+    """An unexpected exception while talking to one P (here: a bug injected
+    into the client) is logged; the thread goes on renewing other Ps' leases."""
+    from vllm_pd_ext.side_channel import SideChannelClient
+
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-good")
+    real = SideChannelClient.request
+
+    def flaky(self, host, p, msg):
+        if p == 1:
+            raise RuntimeError("injected")
+        return real(self, host, p, msg)
+
+    monkeypatch.setattr(SideChannelClient, "request", flaky)
+    sender = HeartbeatSender("eng-d", interval_s=0.1, timeout_s=1.0)
+    try:
+        sender.track("d-bad", (HOST, 1), "p-bad")
+        sender.track("d-good", (HOST, port), "p-good")
+        time.sleep(1.0)
+        assert sender._thread is not None and sender._thread.is_alive()
+        assert leases.table.get("p-good").num_renewals >= 3
+        assert sweep(leases) == ([], [])
+    finally:
+        sender.close()

@@ -234,3 +234,14 @@ def test_unheld_lease_still_expires(table, clock):
     table.hold("held")
     clock.advance(10.0)
     assert table.sweep().expired == ["free"]
+
+
+def test_release_from_a_rank_outside_the_consumers_is_ignored(table):
+    """A hostile or confused peer naming rank 5 (or -1) must not count as one
+    more consumer: rank 1 may still be reading."""
+    table.grant("r", num_consumers=2)
+    for rank in (5, -1, 2):
+        assert table.release("r", rank=rank) is False
+    assert table.release("r", rank=0) is False
+    assert table.get("r").state is not LeaseState.RELEASED
+    assert table.release("r", rank=1) is True

@@ -86,3 +86,32 @@ def test_closed_outbox_drops_new_messages() -> None:
     box.close()
     box.send(HOST, free_port(), abort("late"))
     assert box.num_lanes == 0
+
+
+def test_lane_survives_an_unexpected_exception(monkeypatch) -> None:
+    """A bug while sending one message fails that message (its callback
+    hears a SideChannelError); the lane goes on with the next one."""
+    from vllm_pd_ext.side_channel import SideChannelClient
+
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    real = SideChannelClient.request
+
+    def flaky(self, host, p, msg):
+        if msg.pd_request_id == "boom":
+            raise RuntimeError("injected")
+        return real(self, host, p, msg)
+
+    monkeypatch.setattr(SideChannelClient, "request", flaky)
+    box = Outbox(timeout_s=2.0)
+    replies: list[object] = []
+    try:
+        box.send(HOST, port, abort("boom"), replies.append)
+        box.send(HOST, port, abort("after"), replies.append)
+        assert wait_for(lambda: len(replies) == 2)
+        assert isinstance(replies[0], SideChannelError) and "injected" in str(replies[0])
+        assert replies[1] == proto.PushAbortStatus("unknown")
+        assert rec.seen == ["after"]
+    finally:
+        box.close()
+        srv.close()

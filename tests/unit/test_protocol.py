@@ -113,7 +113,7 @@ def test_block_ids_mixed_refused():
 
 @pytest.mark.parametrize("ids", [[-1, 2], [[0, -3]]])
 def test_block_ids_negative_refused(ids):
-    with pytest.raises(ParamsError, match="non-negative"):
+    with pytest.raises(ParamsError, match=r">= 0 - at `remote_block_ids\["):
         decode_params(pull_params(remote_block_ids=ids))
 
 
@@ -226,3 +226,78 @@ def test_compat_digest_differs_per_field(field):
     assert a.digest() != b.digest()
     assert a.digest() == compat().digest()
     assert len(a.digest()) == 16
+
+
+# ------------------------------------------------------------------ bounds
+# Everything from a client or a peer is bounded and range-checked at decode
+# time, with an error naming the field (issue: hostile input).
+@pytest.mark.parametrize("host", ["p 1", "a/b", "h\u00f6st", "tcp://x", "a@b", "", "x" * 300,
+                                  "-lead.example", "a..b"])
+def test_remote_host_that_is_no_host_is_refused(host):
+    with pytest.raises(ParamsError, match="remote_host"):
+        decode_params(pull_params(remote_host=host))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "p-1.pool.svc.cluster.local", "my_host", "::1",
+                                  "[fe80::1]", "P1"])
+def test_real_hosts_are_accepted(host):
+    assert decode_params(pull_params(remote_host=host)).remote_host == host
+
+
+def test_tcp_address_brackets_ipv6():
+    assert proto.tcp_address("::1", 5) == "tcp://[::1]:5"
+    assert proto.tcp_address("[::1]", 5) == "tcp://[::1]:5"
+    assert proto.tcp_address("p1", 5) == "tcp://p1:5"
+
+
+@pytest.mark.parametrize("tp", [0, -1, proto.MAX_TP_SIZE + 1, 10**9])
+def test_tp_size_is_range_checked(tp):
+    with pytest.raises(ParamsError, match="tp_size"):
+        decode_params(pull_params(tp_size=tp))
+
+
+@pytest.mark.parametrize(("field", "n"), [("remote_engine_id", proto.MAX_ENGINE_ID_LEN + 1),
+                                          ("remote_request_id", proto.MAX_REQUEST_ID_LEN + 1)])
+def test_id_strings_are_bounded(field, n):
+    with pytest.raises(ParamsError, match=f"length <= .*{field}"):
+        decode_params(pull_params(**{field: "x" * n}))
+
+
+def test_block_id_list_is_bounded():
+    with pytest.raises(ParamsError, match="remote_block_ids"):
+        decode_params(pull_params(remote_block_ids=[[0] * (proto.MAX_BLOCKS + 1)]))
+    with pytest.raises(ParamsError, match="remote_block_ids"):
+        decode_params(pull_params(remote_block_ids=[0] * (proto.MAX_BLOCKS + 1)))
+
+
+def _register(**over):
+    base = dict(engine_id="eng-d", compat=compat(), expect_engine_id="eng-p",
+                pd_request_id="pd-1", request_id="d-1", notify_host="127.0.0.1",
+                notify_port=5601, agents=[], first_block=0, block_ids=[1, 2], num_tokens=200,
+                ttl_s=60.0)
+    base.update(over)
+    return proto.PushRegister(**base)
+
+
+@pytest.mark.parametrize("msg", [
+    _register(ttl_s=float("inf")), _register(ttl_s=float("nan")), _register(ttl_s=0.0),
+    _register(ttl_s=proto.MAX_TTL_S * 2), _register(notify_host="d 1"),
+    _register(notify_port=0), _register(first_block=-1), _register(block_ids=[-3]),
+    _register(engine_id="e" * (proto.MAX_ENGINE_ID_LEN + 1)),
+    _register(pd_request_id=""),
+    proto.LeaseRenew(engine_id="d", request_ids=["r"] * (proto.MAX_IDS_PER_MESSAGE + 1)),
+    proto.LeaseRelease(engine_id="d", request_ids=["r"], tp_rank=-1),
+    proto.LeaseRelease(engine_id="d", request_ids=["r"], tp_rank=proto.MAX_TP_SIZE),
+    proto.HandshakeRequest(engine_id="", tp_rank=0, compat=compat()),
+    proto.PushResult(engine_id="p", pd_request_id="x", tp_rank=-2, ok=False),
+], ids=lambda m: type(m).__name__)
+def test_out_of_range_side_channel_fields_are_refused_at_decode(msg):
+    with pytest.raises(msgspec.ValidationError):
+        proto.decode_request(proto.encode(msg))
+
+
+def test_in_range_messages_still_decode():
+    for msg in (_register(), proto.PushResult(engine_id="p", pd_request_id="x", tp_rank=-1,
+                                              ok=False),
+                proto.LeaseRelease(engine_id="d", request_ids=["r"] * 100, tp_rank=3)):
+        assert proto.decode_request(proto.encode(msg)) == msg

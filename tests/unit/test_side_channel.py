@@ -198,3 +198,41 @@ def test_client_recovers_when_server_appears_after_timeout(service):
 def test_bind_conflict_raises(server, service):
     with pytest.raises(SideChannelError, match="cannot bind"):
         SideChannelServer(HOST, server.port, "eng-x", compat(), {}, service)
+
+
+@pytest.mark.parametrize("host", ["p 1", "a/b"])
+def test_host_libzmq_refuses_fails_the_request_only(host):
+    """libzmq raises in connect() for such addresses; that must be this
+    request's SideChannelError, not an exception that ends the caller's thread."""
+    c = SideChannelClient(timeout_s=0.3)
+    try:
+        for _ in range(2):  # and the broken socket is not cached
+            with pytest.raises(SideChannelError, match="side channel"):
+                c.request(host, 5600, proto.LeaseRenew(engine_id="d", request_ids=["a"]))
+    finally:
+        c.close()
+
+
+def test_oversized_frame_is_dropped_and_server_keeps_serving(server, client):
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.REQ)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 500)
+    try:
+        raw.connect(f"tcp://{HOST}:{server.port}")
+        raw.send(b"\x00" * (proto.MAX_FRAME_BYTES + 1))
+        with pytest.raises(zmq.Again):  # not decoded, not answered
+            raw.recv()
+    finally:
+        raw.close()
+    reply = client.request(HOST, server.port, proto.LeaseRenew(engine_id="d", request_ids=["a"]))
+    assert reply.remaining_s == [proto.LEASE_UNKNOWN]
+
+
+def test_release_naming_a_rank_the_lease_lacks_is_ignored(server, client, service):
+    with service.lock:
+        service.table.grant("two-ranks", num_consumers=2)
+    for rank in (1, 7):
+        client.request(HOST, server.port, proto.LeaseRelease(
+            engine_id="d", request_ids=["two-ranks"], tp_rank=rank))
+    assert service.table.get("two-ranks").state is not LeaseState.RELEASED
