@@ -108,7 +108,9 @@ class LeaseTable:
         lease.expiry = max(lease.expiry, now + self.duration_s)
         lease.num_renewals += 1
         self.num_renewals += 1
-        if acquire:
+        if acquire and lease.state is not LeaseState.WRITING:
+            # A WRITING lease stays unexpirable: a pin (from a confused or
+            # hostile peer) must not hand P's own WRITE back to the expiry.
             lease.state = LeaseState.READING
         return lease.expiry - now
 

@@ -245,3 +245,16 @@ def test_release_from_a_rank_outside_the_consumers_is_ignored(table):
     assert table.release("r", rank=0) is False
     assert table.get("r").state is not LeaseState.RELEASED
     assert table.release("r", rank=1) is True
+
+
+def test_pin_on_a_writing_lease_does_not_make_it_expirable(table, clock):
+    """Push: P's own WRITE reads the blocks of a held lease. A pin for the
+    same id (a confused or hostile peer) must not turn it back into a lease
+    that expires while the WRITE may still read."""
+    table.grant("w")
+    assert table.hold("w") is True
+    assert table.renew("w", acquire=True) > 0
+    assert table.get("w").state is LeaseState.WRITING
+    clock.now += 10 * table.duration_s
+    assert table.sweep().expired == []
+    assert table.release("w", rank=0) is True
