@@ -169,9 +169,11 @@ class PushProducer:
                            "finished here (did the request reach this P?)", pd_id)
         self.num_expired_registrations += len(gone)
 
-    def forget_prefill(self, pd_id: str) -> None:
-        """The lease of a prefill D never registered for expired."""
-        with self.leases.lock:
+    def forget_prefills_locked(self, pd_ids: Iterable[str]) -> None:
+        """The leases of prefills D never registered for expired (lease lock
+        held, in the same critical section as the sweep that removed them:
+        a registration in between would match blocks about to be freed)."""
+        for pd_id in pd_ids:
             self.book.forget_prefill(pd_id)
 
     def take_registration_waits(self) -> list[float]:
@@ -201,7 +203,13 @@ class PushProducer:
         if problem is not None:
             self._fail_ranks(match, range(self.tp_size), problem)
             return
-        self.leases.table.hold(match.pd_request_id)
+        if not self.leases.table.hold(match.pd_request_id):
+            # The lease ended (expired or released) under the match: its
+            # blocks are freed or about to be. Never write from them.
+            self._fail_ranks(match, range(self.tp_size),
+                             "P's lease on the prefilled blocks ended before the WRITE could "
+                             "be ordered")
+            return
         src = prefill.block_ids[reg.first_block:reg.first_block + n]
         unsent = []
         for rank in range(self.tp_size):

@@ -271,13 +271,12 @@ class PDScheduler:
             if not len(self.leases.table):
                 return []
             result = self.leases.table.sweep()
+            if self.producer is not None and result.expired:
+                self.producer.forget_prefills_locked(result.expired)
         for rid in result.expired:
             logger.warning("PDConnector: lease of request %s expired after %.1f s without "
                            "release by D; freeing its blocks", rid, self.cfg.lease_duration)
         self._stats.inc("num_lease_expiries", len(result.expired))
-        if self.producer is not None:
-            for rid in result.expired:
-                self.producer.forget_prefill(rid)
         freed = result.released + result.expired
         for rid in freed:
             # Tail first, as vLLM frees a request's blocks: the prefix stays

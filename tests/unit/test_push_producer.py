@@ -123,3 +123,24 @@ def test_refused_write_is_reported_at_once(rig):
     assert leases.table.get("pd1").state is LeaseState.RELEASED
     for sock, _ in pulls:
         assert not sock.poll(100)  # nothing was ordered
+
+
+def test_registration_after_the_lease_ended_orders_no_write(rig):
+    """The prefill waits for D; its lease ends (here: released and swept)
+    before the book forgets it; D's registration then arrives. P must not
+    write from blocks that are freed or about to be: D hears of the failure
+    at once and no rank gets an order."""
+    prod, leases, pulls = rig
+    prod.bind_workers({r: f"tcp://127.0.0.1:{port}" for r, (_, port) in enumerate(pulls)})
+    with leases.lock:
+        leases.table.grant("pd1", num_consumers=2)
+    prod.prefill_done("pd1", "p-req", [10, 11, 12], 40)  # waits for D's registration
+    with leases.lock:
+        for rank in (0, 1):
+            leases.table.release("pd1", rank, ok=False)
+        assert leases.table.sweep().released == ["pd1"]
+    prod.handle(registration())
+    [result] = prod._outbox.results()
+    assert result.ok is False and "lease on the prefilled blocks ended" in result.detail
+    for sock, _ in pulls:
+        assert not sock.poll(100)  # nothing was ordered
