@@ -156,7 +156,9 @@ class PDWorker:
         target = kv_cfg.is_kv_consumer if push else kv_cfg.is_kv_producer
         if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
-            self.transport.start_progress_pump(self.cfg.nixl_progress_interval_ms / 1e3)
+            # Only push's receiver takes notifications; in pull they would pile up.
+            self.transport.start_progress_pump(self.cfg.nixl_progress_interval_ms / 1e3,
+                                               keep_notifs=push)
         if push and kv_cfg.is_kv_producer:
             own = (self.cfg.side_channel_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))

@@ -10,9 +10,11 @@ Contract (who calls what, on which thread, in which order):
    ``PDWorker.register_kv_caches`` on the worker's step thread, after vLLM
    allocated the KV cache. Raises ``TransportError`` if the memory cannot
    be registered.
-2. ``start_progress_pump(interval_s)``: right after, on the transfer's
-   target only (P's worker in pull mode, D's in push mode) and only when
-   NIXL's own progress thread is off and ``nixl_progress_interval_ms`` > 0.
+2. ``start_progress_pump(interval_s, keep_notifs)``: right after, on the
+   transfer's target only (P's worker in pull mode, D's in push mode) and
+   only when NIXL's own progress thread is off and
+   ``nixl_progress_interval_ms`` > 0. ``keep_notifs`` is False in pull mode,
+   where nobody calls ``take_notifs``: what arrives is dropped.
    Not abstract: the default does nothing (the fake needs no progress);
    NIXL starts the ``pd-nixl-progress`` thread.
 3. ``agent_name`` / ``metadata()``: read once by ``register_kv_caches`` into
@@ -108,7 +110,7 @@ class Transport(abc.ABC):
     def release(self, handle: Any) -> bool:
         """Free a handle; False if the transfer may still touch memory."""
 
-    def start_progress_pump(self, interval_s: float) -> None:
+    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True) -> None:
         """Make progress as a transfer target without the engine stepping."""
         return
 

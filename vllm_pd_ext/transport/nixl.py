@@ -19,6 +19,10 @@ from vllm_pd_ext.transport.base import Transport, TransportError, XferState
 
 logger = get_logger(__name__)
 
+#: Notifications kept for ``take_notifs`` at most; past it the oldest go (a
+#: peer flooding us must not grow memory). D's receiver drains every step.
+MAX_PENDING_NOTIFS = 65536
+
 
 def _import_nixl() -> Any:
     try:
@@ -49,17 +53,22 @@ class NixlTransport(Transport):
         self._device_id = 0
         self._notifs: list[bytes] = []
         self._notif_lock = threading.Lock()
+        #: Pull mode: nobody takes notifications, so they are not kept.
+        self._keep_notifs = True
+        self.num_dropped_notifs = 0
         self._pump_stop = threading.Event()
         self._pump: threading.Thread | None = None
 
-    def start_progress_pump(self, interval_s: float) -> None:
-        """Progress the agent every ``interval_s`` from a daemon thread.
+    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True) -> None:
+        """Progress the agent every ``interval_s`` from a daemon thread;
+        ``keep_notifs=False`` drops what arrives (nobody will take it).
 
         Without NIXL's progress thread (which spins a core on CPU) a READ
         target never answers UCX's connection wire-up, so the first READ
         from each new peer hangs; steady-state READs need no target work.
         Polling every millisecond costs well under 1% of a core.
         """
+        self._keep_notifs = keep_notifs
         if self._pump is not None:
             return
 
@@ -75,10 +84,20 @@ class NixlTransport(Transport):
 
     def _collect_notifs(self) -> None:
         new = self._agent.get_new_notifs()
-        if new:
-            with self._notif_lock:
-                for msgs in new.values():
-                    self._notifs.extend(bytes(m) for m in msgs)
+        if not new:
+            return
+        with self._notif_lock:
+            if not self._keep_notifs:
+                self.num_dropped_notifs += sum(len(msgs) for msgs in new.values())
+                return
+            for msgs in new.values():
+                self._notifs.extend(bytes(m) for m in msgs)
+            excess = len(self._notifs) - MAX_PENDING_NOTIFS
+            if excess > 0:
+                del self._notifs[:excess]
+                self.num_dropped_notifs += excess
+                logger.warning("PDConnector: %d NIXL notifications dropped: more than %d "
+                               "pending", excess, MAX_PENDING_NOTIFS)
 
     def take_notifs(self) -> list[bytes]:
         try:
