@@ -276,6 +276,7 @@ class PDWorker:
                     if waiting is not None and waiting.state is RecvState.HANDSHAKE:
                         self._fail(waiting, reason, detail)
                 raise _LoadFailed(reason, detail) from exc
+        slot.jobs_waiting.discard(spec.request_id)  # no longer waits on the handshake
         job.state = RecvState.PIN
         job.pin_sent = time.monotonic()
         job.future = self._io.submit(
@@ -337,14 +338,22 @@ class PDWorker:
         job.nbytes = sum(n for _, _, n in descs)
         job.ndescs = len(descs)
         job.state = RecvState.POSTING
-        job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id)
+        job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id,
+                                         valid_until - margin, spec.remote_request_id)
         self._step_post(job)
 
-    def _post(self, peer: str, descs: list[Any], device_id: int
-              ) -> tuple[Any, XferState, float]:
+    def _post(self, peer: str, descs: list[Any], device_id: int, post_by: float,
+              remote_request_id: str) -> tuple[Any, XferState, float]:
         """Poster thread: post, then poll once so that a copy done inside the
-        post call is timed when it ended, not when the next step looks."""
+        post call is timed when it ended, not when the next step looks.
+
+        The pin's margin is checked again here, at the post: posts are
+        serialised, and one behind a long copy can wait past the lease."""
         assert self.transport is not None
+        if time.monotonic() > post_by:
+            raise _LoadFailed(FailureReason.LEASE_LOST,
+                              f"P's lease on {remote_request_id} ran out while the READ waited "
+                              "for the poster thread; not read")
         handle = self.transport.post_read(peer, descs, device_id)
         return handle, self.transport.poll(handle), time.monotonic()
 

@@ -461,3 +461,31 @@ def test_slow_post_does_not_block_the_engine_step(make_pair):
     assert recving == {"d-req"}
     assert slowest < 0.1, f"a step took {slowest * 1e3:.0f} ms"
     assert_blocks_copied(pair, spec.local_block_ids, spec.remote_block_ids)
+
+
+def test_pin_that_runs_out_while_waiting_for_the_poster_is_not_read(make_pair):
+    """Posts are serialised on one thread. A READ queued behind a 1.5 s copy
+    must re-check its pin (1 s lease) when its turn comes: never post after
+    the lease may have run out on P."""
+    pair = make_pair(lease_s=1.0)
+    pair.grant("p1")
+    pair.grant("p2")
+    pair.d_transport.post_delay = 1.5
+    meta = PDConnectorMetadata(reqs_to_recv=[
+        pair.spec("d1", local=(0, 1), remote=(2, 3), prid="p1"),
+        pair.spec("d2", local=(4,), remote=(8,), prid="p2")])
+    _, recving, failed = drive(pair.d_worker, meta, {"d1", "d2"}, timeout=8)
+    assert recving == {"d1", "d2"}
+    assert len(failed) == 1  # the one that waited behind the other's copy
+    assert pair.d_transport.num_posts == 1
+
+
+def test_finished_loads_leave_no_trace_in_the_peer_slot(make_pair):
+    pair = make_pair()
+    specs = [pair.spec(f"d{i}", local=(i,), remote=(i + 5,), prid=f"p{i}") for i in range(5)]
+    for s in specs:
+        pair.grant(s.remote_request_id)
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=specs),
+                               {s.request_id for s in specs})
+    assert len(recving) == 5 and not failed
+    assert pair.d_worker._peers["eng-p"].jobs_waiting == set()
