@@ -1,27 +1,32 @@
 """D's heartbeat sender: keeps P's leases alive while D holds a request.
 
-Runs in D's scheduler process on one daemon thread with its own side-channel
-client. Lifecycle of a tracked request:
+Runs in D's scheduler process. Lifecycle of a tracked request:
 
 1. ``track`` on arrival (``on_new_request``): the first heartbeat leaves at
    once, then one every ``interval`` seconds, batched per P endpoint.
 2. ``untrack`` when the load finished or failed, or the request ended.
-3. ``release`` (queued) tells P to free blocks D will never read (request
-   aborted before its load, or its KV already cached on D).
+3. ``release`` tells P to free blocks D will never read (request aborted
+   before its load, or its KV already cached on D).
 
-A dead P costs at most one ``timeout`` per endpoint per round and never
-blocks the engine step, which only touches the locked dicts.
+One daemon thread keeps the rounds' time; the messages leave on one
+``Outbox`` lane per P endpoint, so a dead or frozen P delays only its own
+heartbeats and releases, never another P's renewals. At most one renew per
+endpoint is outstanding: a P that does not answer gets no pile of renews,
+and what is queued behind a timed-out message to it fails at once. The
+engine step only touches the locked dicts and never waits on a peer.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
 
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
+from vllm_pd_ext.outbox import Outbox
+from vllm_pd_ext.side_channel import SideChannelError
 
 logger = get_logger(__name__)
 
@@ -33,16 +38,19 @@ class HeartbeatSender:
         self.engine_id = engine_id
         self.interval_s = interval_s
         # Side-channel replies take well under a millisecond; a short timeout
-        # keeps one dead P from delaying the heartbeats of the others.
+        # bounds how long a dead P holds its own lane.
         self.timeout_s = min(timeout_s, interval_s / 2, 1.0)
         self._lock = threading.Condition()
         # D request id -> (endpoint, P request id)
         self._tracked: dict[str, tuple[Endpoint, str]] = {}
         self._fresh: set[str] = set()
-        self._releases: list[tuple[Endpoint, proto.LeaseRelease]] = []
+        #: Endpoints with a renew sent and not yet answered.
+        self._outstanding: set[Endpoint] = set()
+        self._next_round = 0.0
         self._stop = False
         self.num_sent = 0
         self.num_refused = 0
+        self._outbox = Outbox(self.timeout_s, name="pd-hb", fail_queued_on_timeout=True)
         self._thread: threading.Thread | None = None
 
     def _ensure_thread(self) -> None:
@@ -64,66 +72,84 @@ class HeartbeatSender:
 
     def release(self, endpoint: Endpoint, remote_request_id: str, tp_size: int,
                 reason: str) -> None:
-        with self._lock:
-            self._ensure_thread()
-            for rank in range(tp_size):
-                self._releases.append((endpoint, proto.LeaseRelease(
-                    engine_id=self.engine_id, request_ids=[remote_request_id], tp_rank=rank,
-                    ok=False, reason=reason)))
-            self._lock.notify()
+        """Queue one release per P rank (``tp_size`` is D's own TP size)."""
+        for rank in range(tp_size):
+            self._outbox.send(endpoint[0], endpoint[1], proto.LeaseRelease(
+                engine_id=self.engine_id, request_ids=[remote_request_id], tp_rank=rank,
+                ok=False, reason=reason), self._on_release_reply)
 
     def _run(self) -> None:
-        client = SideChannelClient(self.timeout_s)
-        next_round = time.monotonic()
-        try:
-            while True:
-                with self._lock:
-                    timeout = max(0.0, next_round - time.monotonic())
-                    if not (self._fresh or self._releases or self._stop):
-                        self._lock.wait(timeout)
-                    if self._stop:
-                        return
-                    releases, self._releases = self._releases, []
-                    full_round = time.monotonic() >= next_round
-                    ids = list(self._tracked) if full_round else list(self._fresh)
-                    self._fresh.clear()
-                    batches: dict[Endpoint, list[str]] = defaultdict(list)
-                    for rid in ids:
-                        if rid in self._tracked:
-                            endpoint, remote_id = self._tracked[rid]
-                            batches[endpoint].append(remote_id)
+        while True:
+            with self._lock:
+                timeout = max(0.0, self._next_round - time.monotonic())
+                if not (self._sendable_fresh() or self._stop):
+                    self._lock.wait(timeout)
+                if self._stop:
+                    return
+                full_round = time.monotonic() >= self._next_round
                 if full_round:
-                    next_round = time.monotonic() + self.interval_s
-                for endpoint, msg in releases:
-                    self._send(client, endpoint, msg)
-                for endpoint, remote_ids in batches.items():
-                    left = self._send(client, endpoint, proto.LeaseRenew(
-                        engine_id=self.engine_id, request_ids=remote_ids))
-                    if left is not None:
-                        # P's lease may be shorter than ours: beat at least
-                        # three times per remaining lease.
-                        next_round = min(next_round, time.monotonic() + left / 3)
-        finally:
-            client.close()
+                    self._next_round = time.monotonic() + self.interval_s
+                try:
+                    batches = self._due(full_round)
+                except Exception:  # the thread serves every request on this D: never end it
+                    logger.exception("PDConnector: heartbeat round failed; next round as usual")
+                    self._fresh.clear()
+                    continue
+            for endpoint, remote_ids in batches.items():
+                self._outbox.send(endpoint[0], endpoint[1], proto.LeaseRenew(
+                    engine_id=self.engine_id, request_ids=remote_ids),
+                    functools.partial(self._on_renew_reply, endpoint, len(remote_ids)))
 
-    def _send(self, client: SideChannelClient, endpoint: Endpoint, msg: proto.Request
-              ) -> float | None:
-        """Send one message; for a renew, return the shortest lease left."""
-        try:
-            reply = client.request(endpoint[0], endpoint[1], msg)
-        except SideChannelError as exc:
-            logger.warning("PDConnector: heartbeat/release to %s:%d failed: %s",
-                           endpoint[0], endpoint[1], exc)
-            return None
-        except Exception:  # the thread serves every request on this D: never end it
-            logger.exception("PDConnector: heartbeat/release to %s:%d failed",
-                             endpoint[0], endpoint[1])
-            return None
-        if not isinstance(msg, proto.LeaseRenew) or not isinstance(reply, proto.LeaseStatus):
-            return None
-        self.num_sent += len(msg.request_ids)
-        self.num_refused += sum(1 for r in reply.remaining_s if r < 0)
-        return min((r for r in reply.remaining_s if r > 0), default=None)
+    def _due(self, full_round: bool) -> dict[Endpoint, list[str]]:
+        """Under the lock: the renews to send now, one batch per endpoint
+        that has none outstanding (fresh ids of a busy endpoint wait)."""
+        ids = list(self._tracked) if full_round else list(self._fresh)
+        batches: dict[Endpoint, list[str]] = defaultdict(list)
+        for rid in ids:
+            entry = self._tracked.get(rid)
+            if entry is None:
+                continue
+            endpoint, remote_id = entry
+            if endpoint in self._outstanding:
+                continue
+            batches[endpoint].append(remote_id)
+            self._fresh.discard(rid)
+        for endpoint, remote_ids in batches.items():
+            # Bounded: a batch names each tracked request of that P once.
+            del remote_ids[proto.MAX_IDS_PER_MESSAGE:]
+            self._outstanding.add(endpoint)
+        return batches
+
+    def _sendable_fresh(self) -> bool:
+        return any(self._tracked[r][0] not in self._outstanding for r in self._fresh)
+
+    def _on_renew_reply(self, endpoint: Endpoint, count: int,
+                        reply: proto.Reply | SideChannelError) -> None:
+        """Lane thread: count the answer; P's lease may be shorter than ours,
+        so beat at least three times per remaining lease."""
+        with self._lock:
+            self._outstanding.discard(endpoint)
+            if isinstance(reply, SideChannelError):
+                logger.warning("PDConnector: heartbeat to %s:%d failed: %s", endpoint[0],
+                               endpoint[1], reply)
+            elif isinstance(reply, proto.LeaseStatus):
+                self.num_sent += count
+                self.num_refused += sum(1 for r in reply.remaining_s if r < 0)
+                left = min((r for r in reply.remaining_s if r > 0), default=None)
+                if left is not None and time.monotonic() + left / 3 < self._next_round:
+                    self._next_round = time.monotonic() + left / 3
+                    self._lock.notify()  # the thread sleeps until the old round
+            if self._sendable_fresh():
+                self._lock.notify()
+
+    @staticmethod
+    def _on_release_reply(reply: proto.Reply | SideChannelError) -> None:
+        if isinstance(reply, SideChannelError):
+            logger.warning("PDConnector: release to P failed (its lease will expire): %s", reply)
+
+    @property
+    def num_lanes(self) -> int:
+        return self._outbox.num_lanes
 
     def close(self) -> None:
         with self._lock:
@@ -131,3 +157,4 @@ class HeartbeatSender:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        self._outbox.close()

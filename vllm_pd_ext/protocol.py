@@ -13,6 +13,7 @@ different versions refuse each other at the handshake):
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 from typing import Annotated, Any, Final
@@ -120,9 +121,27 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         return [int(b) for b in flat]
 
 
+#: P's answer always carries these, even when None (a probe names no blocks).
+_ANSWER_KEYS: Final = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                       "remote_block_ids", "remote_request_id", "remote_host", "remote_port",
+                       "tp_size", "pp_size", "dcp_size", "transfer_mode")
+
+
+def answer_params(params: KVTransferParams) -> dict[str, Any]:
+    """P's ``kv_transfer_params`` answer, built from the typed struct: the
+    keys vLLM's NixlConnector answer has (``_ANSWER_KEYS``), plus every other
+    field that is set. Unset optional fields are left out."""
+    wire = msgspec.to_builtins(params)
+    return {k: v for k, v in wire.items() if k in _ANSWER_KEYS or (
+        v is not None and v != getattr(_DEFAULT_PARAMS, k))}
+
+
 _PULL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 _PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "pd_request_id")
 TRANSFER_MODES: Final = ("pull", "push")
+
+
+_DEFAULT_PARAMS: Final = KVTransferParams()
 
 
 def decode_params(raw: Any) -> KVTransferParams | None:
@@ -244,11 +263,20 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only
 
 
 class LeaseRenew(msgspec.Struct, frozen=True, tag="renew", kw_only=True):
-    """Heartbeat (``acquire=False``) or read pin (``acquire=True``)."""
+    """Heartbeat (``acquire=False``) or read pin (``acquire=True``).
+
+    A pin that names ``consumer`` (D's own request id) and ``tp_rank`` (D's
+    rank) holds the lease until that consumer releases that rank, so two D
+    requests reading one P answer (a replayed D leg, n > 1) each keep the
+    blocks. The defaults (an older peer) pin as before: by rank count only.
+    """
 
     engine_id: EngineId
     request_ids: RequestIds
     acquire: bool = False
+    #: D's rank that pins; -1: not named.
+    tp_rank: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP_SIZE)] = -1
+    consumer: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] = ""
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):
@@ -258,13 +286,19 @@ class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):
 
 
 class LeaseRelease(msgspec.Struct, frozen=True, tag="release", kw_only=True):
-    """D is done with P's blocks (read finished, failed, or not needed)."""
+    """D is done with P's blocks (read finished, failed, or not needed).
+
+    ``consumer`` (D's own request id, as in its pin) also drops that pin's
+    hold; without it (an older peer, or a release before any pin) the rank
+    is counted but another consumer's hold is never dropped.
+    """
 
     engine_id: EngineId
     request_ids: RequestIds
     tp_rank: Rank
     ok: bool = True
     reason: str = ""
+    consumer: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] = ""
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):
@@ -299,10 +333,19 @@ class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=Tru
     ttl_s: Ttl
 
 
+class PushAcceptedState(enum.StrEnum):
+    """``PushAccepted.state``; on the wire as its string value."""
+
+    #: P's prefill has not finished yet.
+    WAITING = "waiting"
+    #: The prefill had finished: P ordered the WRITE.
+    WRITING = "writing"
+
+
 class PushAccepted(msgspec.Struct, frozen=True, tag="push_accepted", kw_only=True):
     engine_id: str
-    #: "waiting" (prefill not finished yet) or "writing".
-    state: str
+    #: Any other string is refused at decode (``Invalid enum value ... $.state``).
+    state: PushAcceptedState
 
 
 class PushAbort(msgspec.Struct, frozen=True, tag="push_abort", kw_only=True):
@@ -313,15 +356,33 @@ class PushAbort(msgspec.Struct, frozen=True, tag="push_abort", kw_only=True):
     reason: str = ""
 
 
+class PushAbortState(enum.StrEnum):
+    """``PushAbortStatus.state``; on the wire as its string value."""
+
+    #: No WRITE will ever be posted (P knew the id, or never heard of it).
+    ABORTED = "aborted"
+    UNKNOWN = "unknown"
+    #: The WRITE settled (all of P's ranks).
+    DONE = "done"
+    FAILED = "failed"
+    #: A WRITE may still land: D must wait and ask again.
+    IN_FLIGHT = "in_flight"
+
+    @property
+    def is_safe(self) -> bool:
+        """D may reuse its registered blocks: no WRITE from P can land any more."""
+        return self is not PushAbortState.IN_FLIGHT
+
+
 #: ``PushAbortStatus.state``: after which D may reuse its registered blocks.
-ABORT_SAFE_STATES: Final = ("aborted", "unknown", "done", "failed")
+ABORT_SAFE_STATES: Final = frozenset(state for state in PushAbortState if state.is_safe)
 
 
 class PushAbortStatus(msgspec.Struct, frozen=True, tag="push_abort_status"):
-    """``aborted`` / ``unknown`` (no WRITE will ever be posted), ``done`` /
-    ``failed`` (the WRITE settled), or ``in_flight`` (wait: P reports later)."""
+    """P's answer to ``PushAbort`` (see ``PushAbortState``). Any other string
+    is refused at decode (``Invalid enum value ... $.state``)."""
 
-    state: str
+    state: PushAbortState
 
 
 class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):

@@ -8,14 +8,14 @@ threads (the outbox, the side channel) and are queued under a lock;
 ``poll`` applies them on the scheduler thread and returns the requests whose
 load must now be reported failed.
 
-One wait's life::
+One wait's life (``WaitState``; replies arrive as ``PushEvent`` records)::
 
-    register --(P accepts)--> registered --(notification)--> finished
+    REGISTERING --(P accepts)--> REGISTERED --(notification)--> finished
         |                          |
         |  refused                 |  PushResult(ok=False) | deadline -> abort
         v                          v
-      failed                 aborting --(P: aborted/unknown/done/failed)--> failed
-                                   \\--(P: in_flight)--> ask again in 1 s
+      failed                 ABORTING --(P: aborted/unknown/done/failed)--> failed
+                                   \\--(P: in_flight)--> IN_FLIGHT: ask again in 1 s
 
 D reuses the blocks only when P said no WRITE can land any more: it refused
 the registration, reported its WRITE settled, or answered an abort with a
@@ -31,6 +31,7 @@ previous one, so an unreachable P does not pile them up.
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 import time
@@ -53,6 +54,48 @@ DONE_GRACE_S = 2.0
 Endpoint = tuple[str, int]
 
 
+class WaitState(enum.Enum):
+    """Where D's side of one push stands (see the module docstring)."""
+
+    #: The registration is sent (or queued); P has not accepted it yet.
+    REGISTERING = "registering"
+    #: P accepted: D waits for the WRITE's notification.
+    REGISTERED = "registered"
+    #: An abort is sent and unanswered (never two at once).
+    ABORTING = "aborting"
+    #: P answered ``in_flight`` (or was unreachable within the WRITE window):
+    #: abort again at ``next_abort``.
+    IN_FLIGHT = "in_flight"
+
+
+class EventKind(enum.Enum):
+    """What another thread learned about a wait; ``poll`` applies it."""
+
+    #: P accepted the registration.
+    ACCEPTED = "accepted"
+    #: The registration's send ended without an answer: P may have it.
+    UNCONFIRMED = "unconfirmed"
+    #: P answered the registration with an error: it will never write.
+    REFUSED = "refused"
+    #: P's ``PushResult(ok=False)``: the WRITE failed and settled.
+    FAILED = "failed"
+    #: P answered an abort (``PushEvent.abort_state``).
+    ABORT_STATUS = "abort_status"
+    #: An abort got no answer (or an error).
+    ABORT_ERROR = "abort_error"
+
+
+@dataclass(frozen=True)
+class PushEvent:
+    request_id: str
+    kind: EventKind
+    detail: str = ""
+    #: ``REFUSED``: the refusal's failure reason.
+    reason: FailureReason = FailureReason.HANDSHAKE
+    #: ``ABORT_STATUS``: P's answer.
+    abort_state: proto.PushAbortState | None = None
+
+
 @dataclass
 class PushWait:
     request_id: str
@@ -63,7 +106,7 @@ class PushWait:
     #: No WRITE from P can touch D's blocks after this (monotonic); open
     #: (infinite) until the registration's send has ended.
     window_closes: float = math.inf
-    state: str = "registering"
+    state: WaitState = WaitState.REGISTERING
     ended: bool = False
     abort_sent: bool = False
     next_abort: float = 0.0
@@ -89,7 +132,7 @@ class PushConsumer:
         self._waits: dict[str, PushWait] = {}
         self._by_pd: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._events: list[tuple[str, str, str]] = []
+        self._events: list[PushEvent] = []
 
     # ------------------------------------------------------------ scheduler
     def register(self, request_id: str, pd_id: str, endpoint: Endpoint,
@@ -140,10 +183,10 @@ class PushConsumer:
         with self._lock:
             events, self._events = self._events, []
         out: dict[str, tuple[str, str]] = {}
-        for rid, kind, detail in events:
-            wait = self._waits.get(rid)
+        for event in events:
+            wait = self._waits.get(event.request_id)
             if wait is not None:
-                self._apply(wait, kind, detail, out)
+                self._apply(wait, event, out)
         now = self._clock()
         for wait in list(self._waits.values()):
             if wait.request_id in out:
@@ -157,8 +200,9 @@ class PushConsumer:
                 wait.why = wait.why or (f"no KV from P within push_timeout "
                                         f"({self.push_timeout_s:.1f} s)")
                 self._send_abort(wait, "deadline passed on D")
-            elif wait.abort_sent and wait.state == "in_flight" and now >= wait.next_abort:
-                # (state becomes "aborting" until P answers: never two at once)
+            elif (wait.abort_sent and wait.state is WaitState.IN_FLIGHT
+                  and now >= wait.next_abort):
+                # (state becomes ABORTING until P answers: never two at once)
                 self._send_abort(wait, wait.why)
         return out
 
@@ -172,7 +216,7 @@ class PushConsumer:
         with self._lock:
             rid = self._by_pd.get(msg.pd_request_id)
             if rid is not None:
-                self._events.append((rid, "failed", msg.detail))
+                self._events.append(PushEvent(rid, EventKind.FAILED, msg.detail))
         if rid is None:
             logger.info("PDConnector: push result for unknown %s from engine %s (ok=%s)",
                         msg.pd_request_id, msg.engine_id, msg.ok)
@@ -181,46 +225,62 @@ class PushConsumer:
     def _on_register_reply(self, rid: str, expect: str,
                            reply: proto.Reply | SideChannelError) -> None:
         if isinstance(reply, proto.PushAccepted):
-            event = ("accepted", reply.state)
-        elif isinstance(reply, SideChannelError) and "refused" not in str(reply):
+            event = PushEvent(rid, EventKind.ACCEPTED, str(reply.state))
+        elif isinstance(reply, SideChannelError) and not reply.refused:
             # Unknown whether P got it: the deadline (and the abort) decide.
-            event = ("unconfirmed", str(reply))
+            event = PushEvent(rid, EventKind.UNCONFIRMED, str(reply))
         else:
-            event = ("refused", str(reply))
+            code = reply.code if isinstance(reply, SideChannelError | proto.ErrorReply) else ""
+            event = PushEvent(rid, EventKind.REFUSED, str(reply),
+                              reason=FailureReason.INCOMPATIBLE if code == "incompatible"
+                              else FailureReason.HANDSHAKE)
         with self._lock:
-            self._events.append((rid, *event))
+            self._events.append(event)
 
     def _on_abort_reply(self, rid: str, reply: proto.Reply | SideChannelError) -> None:
         if isinstance(reply, proto.PushAbortStatus):
-            event = ("abort_" + reply.state, "")
+            # (already an enum when decoded; the call also types an in-process reply)
+            event = PushEvent(rid, EventKind.ABORT_STATUS,
+                              abort_state=proto.PushAbortState(reply.state))
         else:
-            event = ("abort_error", str(reply))
+            event = PushEvent(rid, EventKind.ABORT_ERROR, str(reply))
         with self._lock:
-            self._events.append((rid, *event))
+            self._events.append(event)
 
     # ------------------------------------------------------------ internals
-    def _apply(self, wait: PushWait, kind: str, detail: str,
+    def _apply(self, wait: PushWait, event: PushEvent,
                out: dict[str, tuple[str, str]]) -> None:
         now = self._clock()
-        if kind == "accepted":
-            wait.state = "registered"
+        kind, detail = event.kind, event.detail
+        if kind is EventKind.ACCEPTED:
+            wait.state = WaitState.REGISTERED
             wait.window_closes = now + self.push_timeout_s + self.write_timeout_s
-        elif kind == "unconfirmed":
+        elif kind is EventKind.UNCONFIRMED:
             wait.window_closes = (now + self.side_channel_timeout_s + self.push_timeout_s
                                   + self.write_timeout_s)
             logger.warning("PDConnector: registration of %s with %s:%d unconfirmed: %s",
                            wait.request_id, *wait.endpoint, detail)
-        elif kind == "refused":
-            reason = (FailureReason.INCOMPATIBLE if "incompatible" in detail
-                      else FailureReason.HANDSHAKE)
-            self._settle(wait, reason, f"P refused the push registration: {detail}", out)
-        elif kind == "failed":
+        elif kind is EventKind.REFUSED:
+            self._settle(wait, event.reason, f"P refused the push registration: {detail}", out)
+        elif kind is EventKind.FAILED:
             self._settle(wait, FailureReason.TRANSFER, f"P could not write the KV: {detail}",
                          out)
-        elif kind in ("abort_aborted", "abort_unknown", "abort_failed"):
-            self._settle(wait, FailureReason.ABORTED if wait.ended else FailureReason.TIMEOUT,
-                         wait.why or "aborted", out)
-        elif kind == "abort_done":
+        elif kind is EventKind.ABORT_STATUS:
+            self._apply_abort_status(wait, event.abort_state, now, out)
+        elif kind is EventKind.ABORT_ERROR:
+            if now >= wait.window_closes:
+                self._settle(wait, FailureReason.ABORTED if wait.ended else
+                             FailureReason.HANDSHAKE,
+                             f"{wait.why}; P is unreachable ({detail}) and its WRITE window "
+                             "has closed", out)
+            else:
+                wait.state = WaitState.IN_FLIGHT
+                wait.next_abort = min(now + ABORT_RETRY_S, wait.window_closes)
+
+    def _apply_abort_status(self, wait: PushWait, state: proto.PushAbortState | None,
+                            now: float, out: dict[str, tuple[str, str]]) -> None:
+        """P answered an abort."""
+        if state is proto.PushAbortState.DONE:
             if wait.ended:
                 self._settle(wait, FailureReason.ABORTED, wait.why, out)
             else:
@@ -228,23 +288,18 @@ class PushConsumer:
                 wait.done_seen = True
                 wait.abort_sent = False
                 wait.deadline = now + DONE_GRACE_S
-        elif kind == "abort_in_flight":
-            wait.state = "in_flight"
+        elif state is proto.PushAbortState.IN_FLIGHT:
+            wait.state = WaitState.IN_FLIGHT
             wait.next_abort = now + ABORT_RETRY_S
-        elif kind == "abort_error":
-            if now >= wait.window_closes:
-                self._settle(wait, FailureReason.ABORTED if wait.ended else
-                             FailureReason.HANDSHAKE,
-                             f"{wait.why}; P is unreachable ({detail}) and its WRITE window "
-                             "has closed", out)
-            else:
-                wait.state = "in_flight"
-                wait.next_abort = min(now + ABORT_RETRY_S, wait.window_closes)
+        else:
+            assert state is not None and state.is_safe, state  # ABORTED, UNKNOWN, FAILED
+            self._settle(wait, FailureReason.ABORTED if wait.ended else FailureReason.TIMEOUT,
+                         wait.why or "aborted", out)
 
     def _send_abort(self, wait: PushWait, reason: str) -> None:
         wait.abort_sent = True
-        if wait.state != "registering":
-            wait.state = "aborting"
+        if wait.state is not WaitState.REGISTERING:
+            wait.state = WaitState.ABORTING
         wait.next_abort = self._clock() + ABORT_RETRY_S
         rid = wait.request_id
         self._outbox.send(wait.endpoint[0], wait.endpoint[1], proto.PushAbort(

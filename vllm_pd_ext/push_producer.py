@@ -3,14 +3,16 @@
 Runs in P's EngineCore process. Two threads call in: the side-channel
 thread (``handle`` for ``PushRegister`` / ``PushAbort``, ``on_release``
 when a worker reports its WRITE settled) and the scheduler thread
-(``prefill_done`` from ``request_finished``, ``sweep``). All book and lease
-state is guarded by the ``LeaseService`` lock.
+(``prefill_done`` from ``request_finished``, ``sweep``, and
+``forget_expired_prefills`` inside the lease sweep). The book is guarded by
+the lease owner's lock: every section that touches it runs in
+``LeaseService.atomic()``, together with the lease operations it needs.
 
 Whichever of registration and prefill comes second orders the WRITEs at
 once, on its own thread: P's workers post them from their own push thread,
 so a WRITE never waits for an engine step (an idle P does not step).
 P's blocks stay pinned under a lease that cannot expire while a WRITE is
-ordered (``LeaseTable.hold``); each rank's release frees them. A failed
+ordered (``LeaseService.hold``); each rank's release frees them. A failed
 WRITE is reported to D here, by ``PushResult``, once every rank has
 settled, so D never reuses blocks another rank may still be writing.
 """
@@ -25,10 +27,10 @@ from typing import Any
 import zmq
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.outbox import Outbox
-from vllm_pd_ext.pushbook import Match, Prefill, PushBook, PushRefused
-from vllm_pd_ext.side_channel import LeaseService
+from vllm_pd_ext.pushbook import TOMBSTONES, Match, Prefill, PushBook, PushRefused, PushState
 
 logger = get_logger(__name__)
 
@@ -87,7 +89,7 @@ class PushProducer:
             return proto.ErrorReply(
                 "malformed", f"registration for {msg.pd_request_id}: {len(msg.agents)} agents "
                 f"for TP {self.tp_size}, {len(msg.block_ids)} blocks from {msg.first_block}")
-        with self.leases.lock:
+        with self.leases.atomic():
             try:
                 match = self.book.register(msg.pd_request_id, msg, msg.ttl_s, self.tp_size)
             except PushRefused as exc:
@@ -100,21 +102,23 @@ class PushProducer:
                     "from block %d; %s", msg.pd_request_id, msg.engine_id, msg.request_id,
                     len(msg.block_ids), msg.first_block,
                     "prefill not finished yet" if match is None else "writing")
-        return proto.PushAccepted(engine_id=self.engine_id,
-                                  state="waiting" if match is None else "writing")
+        return proto.PushAccepted(
+            engine_id=self.engine_id,
+            state=proto.PushAcceptedState.WAITING if match is None
+            else proto.PushAcceptedState.WRITING)
 
     def _abort(self, msg: proto.PushAbort) -> proto.Reply:
-        with self.leases.lock:
+        with self.leases.atomic():
             state, prefill = self.book.abort(msg.pd_request_id)
             if prefill is not None:
                 self._release_all(msg.pd_request_id)
         logger.info("PDConnector: push %s aborted by engine %s (%s): %s", msg.pd_request_id,
-                    msg.engine_id, msg.reason or "no reason", state)
+                    msg.engine_id, msg.reason or "no reason", state.value)
         return proto.PushAbortStatus(state)
 
     def on_release(self, msg: proto.LeaseRelease) -> None:
         """A worker's WRITE settled (lease released for its rank)."""
-        with self.leases.lock:
+        with self.leases.atomic():
             for pd_id in msg.request_ids:
                 self._settle(pd_id, msg.tp_rank, msg.ok, msg.reason)
 
@@ -138,21 +142,22 @@ class PushProducer:
                      num_tokens: int) -> None:
         """Blocks are pinned and leased under ``pd_id``; match or wait."""
         prefill = Prefill(request_id, list(block_ids), num_tokens, self._clock())
-        with self.leases.lock:
+        with self.leases.atomic():
             outcome = self.book.prefill_done(pd_id, prefill, self.tp_size)
-            if isinstance(outcome, str):
+            if isinstance(outcome, PushState):
                 self._release_all(pd_id)
             elif outcome is not None:
                 self._start(outcome)
-        if isinstance(outcome, str):
-            logger.warning("PDConnector: prefill %s (%s) finished after D gave up (%s); "
-                           "freeing its blocks", request_id, pd_id, outcome)
+        if isinstance(outcome, PushState):
+            logger.warning("PDConnector: prefill %s (%s) finished %s (%s); freeing its blocks",
+                           request_id, pd_id, "after D gave up" if outcome in TOMBSTONES
+                           else "twice", outcome.value)
         elif outcome is None:
             logger.info("PDConnector: prefill %s done; waiting for D's registration of %s",
                         request_id, pd_id)
 
     def prefill_failed(self, pd_id: str, request_id: str, status: str) -> None:
-        with self.leases.lock:
+        with self.leases.atomic():
             reg = self.book.prefill_failed(pd_id)
         if reg is not None:
             detail = f"P's prefill {request_id} ended with {status}"
@@ -162,19 +167,21 @@ class PushProducer:
                 detail=detail))
 
     def sweep(self) -> None:
-        with self.leases.lock:
+        with self.leases.atomic():
             gone = self.book.sweep()
         for pd_id in gone:
             logger.warning("PDConnector: push registration %s expired: its prefill never "
                            "finished here (did the request reach this P?)", pd_id)
         self.num_expired_registrations += len(gone)
 
-    def forget_prefills_locked(self, pd_ids: Iterable[str]) -> None:
-        """The leases of prefills D never registered for expired (lease lock
-        held, in the same critical section as the sweep that removed them:
-        a registration in between would match blocks about to be freed)."""
-        for pd_id in pd_ids:
-            self.book.forget_prefill(pd_id)
+    def forget_expired_prefills(self, pd_ids: Iterable[str]) -> None:
+        """The leases of prefills D never registered for expired. Pass as the
+        lease sweep's ``on_expired``: it must run in the sweep's critical
+        section, since a registration in between would match blocks about to
+        be freed."""
+        with self.leases.atomic():
+            for pd_id in pd_ids:
+                self.book.forget_prefill(pd_id)
 
     def take_registration_waits(self) -> list[float]:
         with self._stats_lock:
@@ -203,7 +210,7 @@ class PushProducer:
         if problem is not None:
             self._fail_ranks(match, range(self.tp_size), problem)
             return
-        if not self.leases.table.hold(match.pd_request_id):
+        if not self.leases.hold(match.pd_request_id):
             # The lease ended (expired or released) under the match: its
             # blocks are freed or about to be. Never write from them.
             self._fail_ranks(match, range(self.tp_size),
@@ -237,13 +244,12 @@ class PushProducer:
         their lease shares; D is told once no rank can write any more."""
         logger.error("PDConnector: push %s not written: %s", match.pd_request_id, problem)
         for rank in ranks:
-            self.leases.table.release(match.pd_request_id, rank, ok=False)
+            self.leases.release_ranks(match.pd_request_id, [rank], ok=False)
             self._settle(match.pd_request_id, rank, False, problem)
 
     def _release_all(self, pd_id: str) -> None:
         """Release every rank's share of the lease (lock held): sweep frees."""
-        for rank in range(self.tp_size):
-            self.leases.table.release(pd_id, rank, ok=False)
+        self.leases.release_ranks(pd_id, range(self.tp_size), ok=False)
 
     def close(self) -> None:
         self._outbox.close()

@@ -15,24 +15,67 @@ Lifecycle of one id:
    The second one returns a ``Match``: the caller orders the WRITEs and
    holds the lease so it cannot expire under a WRITE.
 2. ``settle`` once per P rank when its WRITE finished or failed and its
-   handle was released; after the last rank the id is tombstoned ``done``
-   or ``failed`` and the caller releases the lease.
-3. ``abort`` (D gave up) answers whether D may reuse its blocks: ``aborted``
-   / ``unknown`` (no WRITE will ever be posted: the id is tombstoned so a
-   registration still on the wire is refused), ``done`` / ``failed``
-   (settled), or ``in_flight`` (D must wait for the result).
+   handle was released; after the last rank the id is tombstoned ``DONE``
+   or ``FAILED`` and the caller releases the lease.
+3. ``abort`` (D gave up) answers D with a ``PushAbortState``: ``ABORTED``
+   / ``UNKNOWN`` (no WRITE will ever be posted: the id is tombstoned
+   ``ABORTED`` so a registration still on the wire is refused), ``DONE`` /
+   ``FAILED`` (settled), or ``IN_FLIGHT`` (D must wait for the result).
 4. ``sweep`` drops registrations whose window closed before their prefill
-   finished (tombstoned ``expired``: a late prefill is freed at once).
+   finished (tombstoned ``EXPIRED``: a late prefill is freed at once).
+
+``PushBook.state`` names where an id stands (``PushState``): ``REGISTERED``,
+``PREFILLED``, ``WRITING``, one of the ``TOMBSTONES``, or ``UNKNOWN``.
+
+Cost: ``sweep`` runs on every P step, so it touches only what is due:
+registration deadlines live in a heap with lazy deletion (an entry whose
+registration matched or was aborted is skipped when it comes up; the heap
+is rebuilt once such entries outnumber the live ones).
 """
 
 from __future__ import annotations
 
+import enum
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
+
+from vllm_pd_ext.protocol import PushAbortState
 
 R = TypeVar("R")
+
+
+class PushState(enum.Enum):
+    """Where one ``pd_request_id`` stands in the book (``PushBook.state``)."""
+
+    #: D's registration waits for the prefill.
+    REGISTERED = "registered"
+    #: The prefill waits for D's registration.
+    PREFILLED = "prefilled"
+    #: Matched: WRITEs are ordered and not all ranks have settled.
+    WRITING = "writing"
+    # Tombstones: the id is finished; late messages for it are refused.
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+    #: Never seen, or its tombstone was evicted.
+    UNKNOWN = "unknown"
+
+
+#: The states an id keeps (bounded) after it left the book.
+TOMBSTONES: Final = frozenset({PushState.DONE, PushState.FAILED, PushState.ABORTED,
+                               PushState.EXPIRED})
+
+#: What ``abort`` tells D about a tombstoned id (an expired registration is
+#: simply aborted to D: no WRITE will come).
+_ABORT_ANSWER: Final = {PushState.DONE: PushAbortState.DONE,
+                        PushState.FAILED: PushAbortState.FAILED,
+                        PushState.ABORTED: PushAbortState.ABORTED,
+                        PushState.EXPIRED: PushAbortState.ABORTED}
 
 
 class PushRefused(Exception):
@@ -76,10 +119,14 @@ class PushBook(Generic[R]):
     def __init__(self, clock: Callable[[], float], max_tombstones: int = 8192) -> None:
         self._clock = clock
         self._regs: dict[str, _Registration[R]] = {}
+        #: (post_before, seq, pd_id, registration): live while ``_regs[pd_id]``
+        #: is that registration (seq breaks ties, so entries never compare R).
+        self._deadlines: list[tuple[float, int, str, _Registration[R]]] = []
+        self._seq = itertools.count()
         self._prefills: dict[str, Prefill] = {}
         self._writing: dict[str, _Writing] = {}
-        #: pd_request_id -> "done" | "failed" | "aborted" | "expired"
-        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        #: pd_request_id -> one of ``TOMBSTONES``
+        self._tombstones: OrderedDict[str, PushState] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.num_expired_registrations = 0
 
@@ -87,7 +134,8 @@ class PushBook(Generic[R]):
     def register(self, pd_id: str, reg: R, ttl_s: float, num_ranks: int) -> Match[R] | None:
         """D's registration; a ``Match`` if the prefill already finished."""
         if pd_id in self._tombstones:
-            raise PushRefused(f"pd_request_id {pd_id!r} was already {self._tombstones[pd_id]}")
+            raise PushRefused(
+                f"pd_request_id {pd_id!r} was already {self._tombstones[pd_id].value}")
         if pd_id in self._regs or pd_id in self._writing:
             raise PushRefused(f"pd_request_id {pd_id!r} is already registered")
         now = self._clock()
@@ -95,18 +143,22 @@ class PushBook(Generic[R]):
         prefill = self._prefills.pop(pd_id, None)
         if prefill is None:
             self._regs[pd_id] = entry
+            heapq.heappush(self._deadlines, (entry.post_before, next(self._seq), pd_id, entry))
             return None
         return self._match(pd_id, entry, prefill, now - prefill.finished_at, num_ranks)
 
     def prefill_done(self, pd_id: str, prefill: Prefill, num_ranks: int
-                     ) -> Match[R] | str | None:
+                     ) -> Match[R] | PushState | None:
         """P's prefill finished: a ``Match``, ``None`` (wait for D), or the
-        tombstone state (``aborted`` / ``expired`` / ...) when D already gave
-        up: the caller frees the blocks at once."""
+        id's state when this prefill cannot be used and the caller frees its
+        blocks at once: a tombstone (D gave up, or the id is finished), or
+        ``PREFILLED`` / ``WRITING`` (a duplicate prefill)."""
         if pd_id in self._tombstones:
             return self._tombstones[pd_id]
-        if pd_id in self._prefills or pd_id in self._writing:
-            return "duplicate"
+        if pd_id in self._prefills:
+            return PushState.PREFILLED
+        if pd_id in self._writing:
+            return PushState.WRITING
         entry = self._regs.pop(pd_id, None)
         if entry is None:
             self._prefills[pd_id] = prefill
@@ -121,7 +173,7 @@ class PushBook(Generic[R]):
         if pd_id in self._writing or pd_id in self._prefills:
             return None
         entry = self._regs.pop(pd_id, None)
-        self._tombstone(pd_id, "failed")
+        self._tombstone(pd_id, PushState.FAILED)
         return entry.reg if entry is not None else None
 
     def _match(self, pd_id: str, entry: _Registration[R], prefill: Prefill, waited: float,
@@ -141,54 +193,66 @@ class PushBook(Generic[R]):
         if len(w.settled) < w.num_ranks:
             return None
         del self._writing[pd_id]
-        self._tombstone(pd_id, "done" if w.ok else "failed")
+        self._tombstone(pd_id, PushState.DONE if w.ok else PushState.FAILED)
         return w.ok
 
-    def abort(self, pd_id: str) -> tuple[str, Prefill | None]:
-        """D gave up. Returns (state for D, the prefill whose lease the
+    def abort(self, pd_id: str) -> tuple[PushAbortState, Prefill | None]:
+        """D gave up. Returns (the answer for D, the prefill whose lease the
         caller must release, if one was waiting)."""
         if pd_id in self._writing:
-            return "in_flight", None
+            return PushAbortState.IN_FLIGHT, None
         if pd_id in self._tombstones:
-            state = self._tombstones[pd_id]
-            return ("aborted" if state == "expired" else state), None
+            return _ABORT_ANSWER[self._tombstones[pd_id]], None
         prefill = self._prefills.pop(pd_id, None)
         known = self._regs.pop(pd_id, None) is not None or prefill is not None
-        self._tombstone(pd_id, "aborted")
-        return ("aborted" if known else "unknown"), prefill
+        self._tombstone(pd_id, PushState.ABORTED)
+        return (PushAbortState.ABORTED if known else PushAbortState.UNKNOWN), prefill
 
     def forget_prefill(self, pd_id: str) -> bool:
         """The prefill's lease expired before D registered."""
         if self._prefills.pop(pd_id, None) is None:
             return False
-        self._tombstone(pd_id, "expired")
+        self._tombstone(pd_id, PushState.EXPIRED)
         return True
 
     def sweep(self) -> list[str]:
-        """Drop registrations whose WRITE window closed unmatched."""
+        """Drop registrations whose WRITE window closed unmatched, in
+        deadline order. O(what is due)."""
         now = self._clock()
-        gone = [pd_id for pd_id, e in self._regs.items() if e.post_before <= now]
-        for pd_id in gone:
+        gone: list[str] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, pd_id, entry = heapq.heappop(heap)
+            if self._regs.get(pd_id) is not entry:
+                continue  # matched, aborted or failed since
             del self._regs[pd_id]
-            self._tombstone(pd_id, "expired")
+            self._tombstone(pd_id, PushState.EXPIRED)
+            gone.append(pd_id)
+        if len(heap) > 2 * len(self._regs) + 64:
+            self._deadlines = [(e.post_before, next(self._seq), pd_id, e)
+                               for pd_id, e in self._regs.items()]
+            heapq.heapify(self._deadlines)
         self.num_expired_registrations += len(gone)
         return gone
 
     # ------------------------------------------------------------ views
-    def state(self, pd_id: str) -> str:
+    def state(self, pd_id: str) -> PushState:
         if pd_id in self._writing:
-            return "writing"
+            return PushState.WRITING
         if pd_id in self._regs:
-            return "registered"
+            return PushState.REGISTERED
         if pd_id in self._prefills:
-            return "prefilled"
-        return self._tombstones.get(pd_id, "unknown")
+            return PushState.PREFILLED
+        return self._tombstones.get(pd_id, PushState.UNKNOWN)
 
     def counts(self) -> dict[str, int]:
-        return {"registered": len(self._regs), "prefilled": len(self._prefills),
-                "writing": len(self._writing)}
+        """Live ids per state, keyed by the state's value."""
+        return {PushState.REGISTERED.value: len(self._regs),
+                PushState.PREFILLED.value: len(self._prefills),
+                PushState.WRITING.value: len(self._writing)}
 
-    def _tombstone(self, pd_id: str, state: str) -> None:
+    def _tombstone(self, pd_id: str, state: PushState) -> None:
+        assert state in TOMBSTONES, state
         self._tombstones[pd_id] = state
         self._tombstones.move_to_end(pd_id)
         while len(self._tombstones) > self._max_tombstones:

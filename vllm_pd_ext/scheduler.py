@@ -16,11 +16,15 @@ step, so an idle P holding one lease burns more than a core (measured: 119%
 of a core; about 1.4% with pinning).
 
 As D (consumer): a request arriving with ``do_remote_prefill`` is decoded
-into ``KVTransferParams`` once (``on_new_request``), heartbeats to P start at
-once, ``get_num_new_matched_tokens`` asks vLLM to load the prompt tokens D
-does not hold asynchronously, and ``update_state_after_alloc`` pairs D's
-fresh blocks with P's blocks and queues a ``RecvSpec`` for the workers.
-Heartbeats stop when the load is reported finished (or failed).
+into ``KVTransferParams`` once (``on_new_request``) and kept in one
+``DRequest`` record until it ends; heartbeats to P start at once,
+``get_num_new_matched_tokens`` asks vLLM to load the prompt tokens D does
+not hold asynchronously, and ``update_state_after_alloc`` hands D's fresh
+blocks to the mode's half: ``pull_consumer.PullConsumer`` pairs them with
+P's blocks into a ``RecvSpec`` for the workers. Heartbeats stop when the load
+is reported finished (or failed). Two live requests naming one P lease (a
+replayed P answer, ``n > 1``) are refused: the second fails its load with a
+clear error.
 
 Push mode (``transfer_mode: push``) reuses the pinning, leases and
 heartbeats, keyed by the proxy's ``pd_request_id`` (P's and D's internal
@@ -33,23 +37,46 @@ wait, abort before reusing blocks).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vllm_pd_ext import compat
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.heartbeats import HeartbeatSender
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.lease_service import LeaseService
+from vllm_pd_ext.leases import LeaseTable
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PushRecvSpec, RecvSpec
 from vllm_pd_ext.policy import FailureReason
-from vllm_pd_ext.protocol import KVTransferParams, ParamsError, decode_params
+from vllm_pd_ext.protocol import KVTransferParams, ParamsError, answer_params, decode_params
+from vllm_pd_ext.pull_consumer import LayoutProblem, PullConsumer
 from vllm_pd_ext.push_consumer import PushConsumer
 from vllm_pd_ext.push_producer import PushProducer
-from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.stats import PDStats
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class DRequest:
+    """D: one request that expects remote KV, from arrival to its end."""
+
+    #: None when its params were refused (``bad`` says why).
+    params: KVTransferParams | None
+    bad: str = ""
+    #: ``update_state_after_alloc`` ran: its load is queued, or not needed.
+    allocated: bool = False
+    #: A load (or its failure) is queued for the workers; they report it.
+    loading: bool = False
+    #: The P lease it holds in ``_lease_users`` (engine id, lease key).
+    lease: tuple[str, str] | None = None
+    #: vLLM finished the request while its load was in flight; the record
+    #: goes when the workers report the load.
+    ended: bool = False
 
 
 class PDScheduler:
@@ -62,7 +89,9 @@ class PDScheduler:
         self.host = cfg.side_channel_host
         self.port = compat.side_channel_port(vllm_config, cfg.side_channel_port)
         self.compat = compat.compat_info(vllm_config, cfg.transfer_mode)
-        self.leases = LeaseService(LeaseTable(cfg.lease_duration, time.monotonic))
+        # P's leases; push: D heartbeats from arrival, before P knows the id.
+        self.leases = LeaseService(LeaseTable(cfg.lease_duration, time.monotonic),
+                                   unknown_heartbeats_expected=cfg.transfer_mode == "push")
         self.heartbeats = HeartbeatSender(
             self.engine_id, cfg.effective_heartbeat_interval, cfg.handshake_timeout)
         self._server: SideChannelServer | None = None
@@ -72,11 +101,11 @@ class PDScheduler:
         self._stats = PDStats()
         self._reported_heartbeats = 0
         self._reported_late = 0
-        # D side, by D request id.
-        self._params: dict[str, KVTransferParams] = {}
-        self._bad_params: dict[str, str] = {}
-        self._processed: set[str] = set()
-        self._awaiting: set[str] = set()
+        # D side: one record per request; the step's output for the workers.
+        self._d: dict[str, DRequest] = {}
+        #: (P engine id, lease key) -> the D request using it.
+        self._lease_users: dict[tuple[str, str], str] = {}
+        self.pull = PullConsumer(self.block_size, self.tp_size, self.heartbeats)
         self._pending_recv: list[RecvSpec] = []
         self._pending_fail: dict[str, tuple[str, str]] = {}
         self.push = cfg.transfer_mode == "push"
@@ -84,7 +113,6 @@ class PDScheduler:
         self.consumer: PushConsumer | None = None
         self._pending_push: list[PushRecvSpec] = []
         if self.push:
-            self.leases.unknown_heartbeats_expected = True
             self.producer = PushProducer(self.engine_id, self.compat, self.block_size,
                                          self.tp_size, self.leases, cfg.handshake_timeout)
             self.consumer = PushConsumer(self.engine_id, self.compat, self.host, self.port,
@@ -124,31 +152,44 @@ class PDScheduler:
                     "do_remote_prefill"):
                 # Malformed P-leg params are reported in request_finished.
                 return
-            self._bad_params[rid] = str(exc)
-            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, exc)
+            self._refuse(rid, str(exc))
             return
         if params is None or not params.do_remote_prefill:
             return
         if params.mode != self.cfg.transfer_mode:
-            self._bad_params[rid] = (
-                f"kv_transfer_params.transfer_mode={params.mode!r} but this engine runs "
-                f"transfer_mode={self.cfg.transfer_mode!r} (give P, D and the proxy the same "
-                "transfer_mode)")
-            logger.error("PDConnector: request %s: %s; its KV load will fail", rid,
-                         self._bad_params[rid])
+            self._refuse(rid, f"kv_transfer_params.transfer_mode={params.mode!r} but this engine "
+                         f"runs transfer_mode={self.cfg.transfer_mode!r} (give P, D and the proxy "
+                         "the same transfer_mode)")
             return
-        self._params[rid] = params
+        if params.tp_size != self.tp_size:
+            # Never loop over a count from the request: D's own TP size is the
+            # rank count, and the handshake refuses a P whose TP size differs.
+            self._refuse(rid, f"kv_transfer_params.tp_size={params.tp_size} but this engine runs "
+                         f"tensor_parallel_size={self.tp_size} (P and D must use the same TP "
+                         "size)")
+            return
+        lease = (str(params.remote_engine_id), _lease_key(params))
+        user = self._lease_users.get(lease)
+        if user is not None and user != rid:
+            self._refuse(rid, f"kv_transfer_params name P lease {lease[1]} of engine {lease[0]}, "
+                         f"which request {user} on this engine is already using (a replayed P "
+                         "answer, or n > 1 / best_of: one prefill's KV feeds one decode)")
+            return
+        self._lease_users[lease] = rid
+        self._d[rid] = DRequest(params, lease=lease)
         assert params.remote_host is not None and params.remote_port is not None
         self.heartbeats.track(rid, (params.remote_host, params.remote_port), _lease_key(params))
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
                     rid, _lease_key(params), params.remote_engine_id, params.mode)
 
+    def _refuse(self, rid: str, why: str) -> None:
+        self._d[rid] = DRequest(None, bad=why)
+        logger.error("PDConnector: request %s: %s; its KV load will fail", rid, why)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        rid = request.request_id
-        if rid in self._processed:
-            return 0, False
-        if rid not in self._params and rid not in self._bad_params:
+        d = self._d.get(request.request_id)
+        if d is None or d.allocated:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -156,62 +197,30 @@ class PDScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         rid = request.request_id
-        if rid in self._processed or (rid not in self._params and rid not in self._bad_params):
+        d = self._d.get(rid)
+        if d is None or d.allocated:
             return
-        self._processed.add(rid)
-        if rid in self._bad_params:
+        d.allocated = True
+        if d.params is None:
             if num_external_tokens > 0:
-                self._pending_fail[rid] = (FailureReason.BAD_PARAMS.value, self._bad_params[rid])
-                self._awaiting.add(rid)
+                self._pending_fail[rid] = (FailureReason.BAD_PARAMS.value, d.bad)
+                d.loading = True
             return
-        params = self._params[rid]
-        endpoint = (str(params.remote_host), int(params.remote_port or 0))
+        params = d.params
         if params.mode == "push":
-            self._alloc_push(request, blocks, num_external_tokens, params, endpoint)
+            endpoint = (str(params.remote_host), int(params.remote_port or 0))
+            self._alloc_push(d, request, blocks, num_external_tokens, params, endpoint)
             return
-        if num_external_tokens == 0:
-            # Everything was in D's prefix cache: P's blocks are not needed.
-            self.heartbeats.untrack(rid)
-            self.heartbeats.release(endpoint, str(params.remote_request_id), params.tp_size,
-                                    "prompt fully cached on D")
-            return
-        self._awaiting.add(rid)
-        num_local_hit = request.num_prompt_tokens - num_external_tokens
-        hit_blocks = num_local_hit // self.block_size
-        local = compat.new_block_ids(blocks)
-        remote = params.flat_remote_block_ids()
-        need = remote[hit_blocks:]
-        expected = -(-request.num_prompt_tokens // self.block_size) - hit_blocks
-        problem = None
-        if params.remote_num_tokens is not None and params.remote_num_tokens != (
-                request.num_prompt_tokens):
-            problem = (f"P prefilled {params.remote_num_tokens} tokens but D's prompt has "
-                       f"{request.num_prompt_tokens} (different prompt or tokenizer?)")
-        elif not need or len(need) != expected or len(local) < len(need):
-            # P sends exactly ceil(prompt / block_size) ids; fewer would leave
-            # prompt tokens unloaded but counted as loaded.
-            problem = (f"block layout mismatch: the prompt needs {expected} blocks from P, "
-                       f"P sent {len(need)}, D allocated {len(local)}")
-        if problem is not None:
-            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
-            self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)
-            self.heartbeats.untrack(rid)
-            self.heartbeats.release(endpoint, str(params.remote_request_id), params.tp_size,
-                                    "layout mismatch on D")
-            return
-        self._pending_recv.append(RecvSpec(
-            request_id=rid,
-            local_block_ids=local[:len(need)],
-            remote_block_ids=need,
-            remote_engine_id=str(params.remote_engine_id),
-            remote_request_id=str(params.remote_request_id),
-            remote_host=endpoint[0],
-            remote_port=endpoint[1],
-            remote_tp_size=params.tp_size,
-            num_tokens=num_external_tokens,
-        ))
+        spec = self.pull.allocate(rid, params, request.num_prompt_tokens, num_external_tokens,
+                                  compat.new_block_ids(blocks))
+        if isinstance(spec, LayoutProblem):
+            self._pending_fail[rid] = (FailureReason.LAYOUT.value, spec.why)
+            d.loading = True
+        elif spec is not None:
+            self._pending_recv.append(spec)
+            d.loading = True
 
-    def _alloc_push(self, request: Any, blocks: Any, num_external_tokens: int,
+    def _alloc_push(self, d: DRequest, request: Any, blocks: Any, num_external_tokens: int,
                     params: KVTransferParams, endpoint: tuple[str, int]) -> None:
         """D, push: register the blocks D lacks with P, or tell P it is not needed."""
         assert self.consumer is not None
@@ -231,7 +240,7 @@ class PDScheduler:
         elif need <= 0 or len(local) < need:
             problem = (f"block layout mismatch: the prompt needs {need} blocks from P, D "
                        f"allocated {len(local)}")
-        self._awaiting.add(rid)
+        d.loading = True
         if problem is not None:
             logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
             self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)
@@ -244,7 +253,12 @@ class PDScheduler:
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
-            self._awaiting.discard(rid)
+            d = self._d.get(rid)
+            if d is not None:
+                d.loading = False
+                self._end_lease_use(d)
+                if d.ended:
+                    del self._d[rid]
             self.heartbeats.untrack(rid)
             if self.consumer is not None:
                 self.consumer.finished(rid)
@@ -264,15 +278,16 @@ class PDScheduler:
         return meta
 
     def _sweep(self) -> list[str]:
-        """Unpin the blocks of released and expired leases (scheduler thread only)."""
+        """Unpin the blocks of released and expired leases (scheduler thread
+        only). Runs every step and every arriving request: O(what changed)."""
         if self.producer is not None:
             self.producer.sweep()
-        with self.leases.lock:
-            if not len(self.leases.table):
-                return []
-            result = self.leases.table.sweep()
-            if self.producer is not None and result.expired:
-                self.producer.forget_prefills_locked(result.expired)
+        # Push: prefills whose lease expired are forgotten inside the sweep's
+        # critical section (a registration in between would match freed blocks).
+        result = self.leases.sweep(
+            on_expired=self.producer.forget_expired_prefills if self.producer else None)
+        if not result.released and not result.expired:
+            return []
         for rid in result.expired:
             logger.warning("PDConnector: lease of request %s expired after %.1f s without "
                            "release by D; freeing its blocks", rid, self.cfg.lease_duration)
@@ -286,15 +301,15 @@ class PDScheduler:
 
     def has_pending_block_frees(self) -> bool:
         # Leases D already released free at the next sweep: let vLLM wait for
-        # them rather than preempt a running request.
-        with self.leases.lock:
-            return any(lease.state is LeaseState.RELEASED for lease in self.leases.table.leases())
+        # them rather than preempt a running request. O(1).
+        return self.leases.has_released()
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        if rid in self._params or rid in self._bad_params:
-            return self._finish_consumer(rid)
+        d = self._d.get(rid)
+        if d is not None:
+            return self._finish_consumer(rid, d)
         try:
             params = decode_params(request.kv_transfer_params)
         except ParamsError as exc:
@@ -303,19 +318,17 @@ class PDScheduler:
             return False, None
         if params is None or not params.do_remote_decode:
             return False, None
-        identity = dict(
+        identity = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_engine_id=self.engine_id,
             remote_host=self.host,
             remote_port=self.port,
             tp_size=self.tp_size,
-            pp_size=1,
-            dcp_size=1,
             transfer_mode=self.cfg.transfer_mode,
         )
         if params.pd_ext_probe:
-            return False, dict(identity, remote_block_ids=None, remote_request_id=None)
+            return False, answer_params(identity)
         if not compat.is_finished_ok(request) or not block_ids:
             logger.info("PDConnector: prefill %s ended with %s; no KV handed over", rid,
                         request.status)
@@ -333,13 +346,12 @@ class PDScheduler:
             return False, None
         key = _lease_key(params) if self.push else rid
         blocks = [self._block_pool.blocks[i] for i in block_ids]
-        with self.leases.lock:
-            try:
-                expiry = self.leases.table.grant(key, num_consumers=self.tp_size)
-            except KeyError:
-                logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
-                             "blocks freed, no KV handed over", rid, key)
-                return False, None
+        try:
+            expiry = self.leases.grant(key, num_consumers=self.tp_size)
+        except KeyError:
+            logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
+                         "blocks freed, no KV handed over", rid, key)
+            return False, None
         self._block_pool.touch(blocks)
         self._pinned[key] = blocks
         self._stats.inc("num_leases_granted")
@@ -349,20 +361,28 @@ class PDScheduler:
             self.producer.prefill_done(key, rid, list(block_ids),
                                        int(request.num_computed_tokens))
         # vLLM drops its own references now; ours keep the blocks until _sweep.
-        return False, dict(
+        return False, answer_params(msgspec.structs.replace(
             identity,
             remote_block_ids=[list(block_ids)],
             remote_request_id=key,
             remote_num_tokens=int(request.num_computed_tokens),
             remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
-        )
+        ))
 
-    def _finish_consumer(self, rid: str) -> tuple[bool, None]:
-        params = self._params.pop(rid, None)
-        self._bad_params.pop(rid, None)
-        if params is not None and params.mode == "push":
+    def _finish_consumer(self, rid: str, d: DRequest) -> tuple[bool, None]:
+        params = d.params
+        if d.loading:
+            # A load in flight keeps its record (and its claim on the lease)
+            # until the workers report it (update_connector_output).
+            d.ended = True
+        else:
+            self._end_lease_use(d)
+            del self._d[rid]
+        if params is None:
+            return False, None
+        if params.mode == "push":
             assert self.consumer is not None
-            if rid in self._awaiting or rid not in self._processed:
+            if d.loading or not d.allocated:
                 # vLLM keeps blocks of a request that waits for remote KV until
                 # the worker reports it; the consumer reports it only once P
                 # said no WRITE can land any more.
@@ -370,18 +390,18 @@ class PDScheduler:
                 self.consumer.abandon(rid, str(params.pd_request_id),
                                       (str(params.remote_host), int(params.remote_port or 0)),
                                       "request ended on D")
-            self._processed.discard(rid)
             return False, None
-        if rid not in self._processed and params is not None:
+        if not d.allocated:
             # Ended before its load was scheduled (abort, rejection): free P now.
-            self.heartbeats.untrack(rid)
-            self.heartbeats.release((str(params.remote_host), int(params.remote_port or 0)),
-                                    str(params.remote_request_id), params.tp_size,
-                                    "request ended on D before its load")
-        self._processed.discard(rid)
+            self.pull.abandon(rid, params, "request ended on D before its load")
         # If a load is still in flight, vLLM keeps D's blocks until the worker
         # reports the id; heartbeats continue until then.
         return False, None
+
+    def _end_lease_use(self, d: DRequest) -> None:
+        if d.lease is not None:
+            self._lease_users.pop(d.lease, None)
+            d.lease = None
 
     def get_kv_connector_stats(self) -> PDStats | None:
         if self.producer is not None:
@@ -390,8 +410,8 @@ class PDScheduler:
             expired = self.producer.num_expired_registrations
             self._stats.inc("num_registration_expiries", expired)
             self.producer.num_expired_registrations -= expired
-        hb = self.leases.num_heartbeats
-        late = self.leases.num_late_messages
+        counters = self.leases.counters()
+        hb, late = counters.num_heartbeats, counters.num_late_messages
         self._stats.inc("num_heartbeats", hb - self._reported_heartbeats)
         self._stats.inc("num_late_messages", late - self._reported_late)
         self._reported_heartbeats, self._reported_late = hb, late

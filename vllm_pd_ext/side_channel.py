@@ -1,7 +1,8 @@
 """The side channel: a pyzmq ROUTER in each engine's scheduler process.
 
 Role: serves this engine's handshake (NIXL agent metadata, KV layout,
-compatibility info), the lease protocol (renew / acquire / release) and, in
+compatibility info), the lease protocol (renew / acquire / release, answered
+by P's ``lease_service.LeaseService``) and, in
 push mode, registrations, aborts and WRITE results to peers. One daemon
 thread, started when the workers' metadata is known
 (``set_xfer_handshake_metadata``), stopped by ``close``. Every message is
@@ -19,76 +20,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
 from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+
+# Re-exported for the tests that build a P side from this module.
+from vllm_pd_ext.lease_service import LeaseService as LeaseService
 from vllm_pd_ext.log import get_logger
 
 logger = get_logger(__name__)
 
 
 class SideChannelError(RuntimeError):
-    """A peer did not answer, or answered with an error."""
+    """A peer did not answer, or answered with an error.
 
-
-class LeaseService:
-    """The P side of the lease protocol, shared by the server thread and the
-    scheduler step. All lease-table access goes through ``self.lock``.
+    ``code`` says which, so callers never match message text: ``timeout``
+    (no answer in time), ``unreachable`` (libzmq refused the address or the
+    socket failed), ``bad_reply`` (the answer did not decode), ``local`` (a
+    bug on this side), or the peer's own ``ErrorReply.code``
+    (``incompatible``, ``malformed``, ``no_rank``, ``not_push``,
+    ``not_producer``, ``internal``, ...).
     """
 
-    def __init__(self, table: LeaseTable) -> None:
-        self.table = table
-        self.lock = threading.Lock()
-        self.num_heartbeats = 0
-        self.num_late_messages = 0
-        #: Push: D heartbeats from arrival, usually before P's prefill has
-        #: finished, so an unknown id is normal there.
-        self.unknown_heartbeats_expected = False
+    def __init__(self, message: str, code: str = "local") -> None:
+        super().__init__(message)
+        self.code = code
 
-    def renew(self, msg: proto.LeaseRenew) -> proto.LeaseStatus:
-        with self.lock:
-            # Push: a heartbeat can cross P's release after its WRITE; that is
-            # not a late message.
-            released = {rid for rid in msg.request_ids
-                        if (lease := self.table.get(rid)) is not None
-                        and lease.state is LeaseState.RELEASED}
-            remaining = [self.table.renew(rid, acquire=msg.acquire) for rid in msg.request_ids]
-            if not msg.acquire:
-                self.num_heartbeats += len(msg.request_ids)
-        for rid, left in zip(msg.request_ids, remaining, strict=True):
-            if not msg.acquire and self.unknown_heartbeats_expected and (
-                    left == proto.LEASE_UNKNOWN or rid in released):
-                continue
-            if left < 0:
-                self.num_late_messages += 1
-                logger.warning(
-                    "PDConnector: %s for request %s from engine %s refused: lease %s",
-                    "pin" if msg.acquire else "heartbeat", rid, msg.engine_id,
-                    "expired" if left == proto.LEASE_EXPIRED else "unknown",
-                )
-        return proto.LeaseStatus(remaining)
-
-    def release(self, msg: proto.LeaseRelease) -> proto.Ack:
-        with self.lock:
-            for rid in msg.request_ids:
-                lease = self.table.get(rid)
-                if lease is not None and not 0 <= msg.tp_rank < lease.num_consumers:
-                    logger.warning(
-                        "PDConnector: release of request %s from engine %s names rank %d; "
-                        "the lease has %d consumer rank(s): ignored", rid, msg.engine_id,
-                        msg.tp_rank, lease.num_consumers)
-                    continue
-                if not self.table.release(rid, msg.tp_rank, msg.ok) and rid not in self.table:
-                    self.num_late_messages += 1
-                    logger.info(
-                        "PDConnector: release of request %s from engine %s after its lease "
-                        "ended (ok=%s %s)", rid, msg.engine_id, msg.ok, msg.reason,
-                    )
-        return proto.Ack()
+    @property
+    def refused(self) -> bool:
+        """The peer answered, with an error: it is alive."""
+        return self.code not in ("timeout", "unreachable", "bad_reply", "local")
 
 
 class PushHandler(Protocol):
@@ -100,7 +64,12 @@ class PushHandler(Protocol):
 
 
 class SideChannelServer:
-    """ROUTER socket + daemon thread answering handshakes and lease messages."""
+    """ROUTER socket + daemon thread answering handshakes and lease messages.
+
+    Each decoded message goes to the handler its type maps to in
+    ``_handlers`` (one per ``protocol.Request`` member): adding a message
+    type means adding one entry, and a type without one is a test failure.
+    """
 
     def __init__(
         self,
@@ -117,6 +86,14 @@ class SideChannelServer:
         self.compat = compat
         self.agents = agents
         self.leases = leases
+        self._handlers: dict[type, Callable[[Any], proto.Reply]] = {
+            proto.HandshakeRequest: self._on_handshake,
+            proto.LeaseRenew: self._on_renew,
+            proto.LeaseRelease: self._on_release,
+            proto.PushRegister: self._on_push_register,
+            proto.PushAbort: self._on_push,
+            proto.PushResult: self._on_push,
+        }
         self.address = f"tcp://{host}:{port}"
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -131,7 +108,7 @@ class SideChannelServer:
             self._ctx.term()
             raise SideChannelError(
                 f"PDConnector: cannot bind side channel {self.address}: {exc} "
-                "(is side_channel_port used by another engine?)"
+                "(is side_channel_port used by another engine?)", "unreachable"
             ) from exc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
@@ -174,39 +151,52 @@ class SideChannelServer:
             return proto.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: proto.Request) -> proto.Reply:
-        if isinstance(msg, proto.HandshakeRequest):
-            diff = self.compat.diff(msg.compat)
-            if diff:
-                logger.error("PDConnector: refused handshake from engine %s: incompatible %s",
-                             msg.engine_id, "; ".join(diff))
-                return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
-            agent = self.agents.get(msg.tp_rank)
-            if agent is None:
-                return proto.ErrorReply(
-                    "no_rank", f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
-            logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
-                        msg.tp_rank)
-            return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
-        if isinstance(msg, (proto.PushRegister, proto.PushAbort, proto.PushResult)):
-            if isinstance(msg, proto.PushRegister):
-                diff = self.compat.diff(msg.compat)
-                if diff:
-                    logger.error("PDConnector: refused push registration from engine %s: "
-                                 "incompatible %s", msg.engine_id, "; ".join(diff))
-                    return proto.ErrorReply("incompatible",
-                                            "incompatible peer: " + "; ".join(diff))
-            if self.push is None:
-                return proto.ErrorReply(
-                    "not_push", f"engine {self.engine_id} does not run transfer_mode='push'")
-            return self.push.handle(msg)
+        return self._handlers[type(msg)](msg)
+
+    def _on_handshake(self, msg: proto.HandshakeRequest) -> proto.Reply:
+        diff = self.compat.diff(msg.compat)
+        if diff:
+            logger.error("PDConnector: refused handshake from engine %s: incompatible %s",
+                         msg.engine_id, "; ".join(diff))
+            return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
+        agent = self.agents.get(msg.tp_rank)
+        if agent is None:
+            return proto.ErrorReply(
+                "no_rank", f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
+        logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
+                    msg.tp_rank)
+        return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
+
+    def _on_renew(self, msg: proto.LeaseRenew) -> proto.Reply:
         if self.leases is None:
-            return proto.ErrorReply("not_producer", f"engine {self.engine_id} holds no leases")
-        if isinstance(msg, proto.LeaseRenew):
-            return self.leases.renew(msg)
+            return self._no_leases()
+        return self.leases.renew(msg)
+
+    def _on_release(self, msg: proto.LeaseRelease) -> proto.Reply:
+        if self.leases is None:
+            return self._no_leases()
         reply = self.leases.release(msg)
         if self.push is not None:
             self.push.on_release(msg)
         return reply
+
+    def _on_push_register(self, msg: proto.PushRegister) -> proto.Reply:
+        diff = self.compat.diff(msg.compat)
+        if diff:
+            logger.error("PDConnector: refused push registration from engine %s: "
+                         "incompatible %s", msg.engine_id, "; ".join(diff))
+            return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
+        return self._on_push(msg)
+
+    def _on_push(self, msg: proto.PushRegister | proto.PushAbort | proto.PushResult
+                 ) -> proto.Reply:
+        if self.push is None:
+            return proto.ErrorReply(
+                "not_push", f"engine {self.engine_id} does not run transfer_mode='push'")
+        return self.push.handle(msg)
+
+    def _no_leases(self) -> proto.Reply:
+        return proto.ErrorReply("not_producer", f"engine {self.engine_id} holds no leases")
 
     def close(self) -> None:
         self._stop.set()
@@ -216,16 +206,36 @@ class SideChannelServer:
 
 
 class SideChannelClient:
-    """Blocking request/reply to peers' side channels; single-thread use."""
+    """Blocking request/reply to peers' side channels; single-thread use.
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    One REQ socket per endpoint, created on first use, closed after a
+    timeout or error (a REQ socket that missed its reply is unusable), by
+    ``drop`` (the owner knows the peer is gone), or once unused for
+    ``idle_ttl_s``: every ``request`` first closes the sockets idle that
+    long, and ``reap`` does so for an owner between requests. Peers come
+    and go, so a socket per peer ever seen would leak descriptors (and
+    libzmq would keep reconnecting to dead peers).
+    """
+
+    #: A socket unused this long is closed (a later request reconnects).
+    IDLE_TTL_S = 60.0
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 idle_ttl_s: float = IDLE_TTL_S) -> None:
         self.timeout_ms = int(timeout_s * 1000)
+        self.idle_ttl_s = idle_ttl_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
+        #: Address -> last use, least recently used first (``reap`` stops early).
+        self._used: dict[str, float] = {}
         self._clock = clock
 
     def request(self, host: str, port: int, msg: proto.Request) -> proto.Reply:
         addr = proto.tcp_address(host, port)
+        now = self._clock()
+        self.reap(now)
+        self._used.pop(addr, None)
+        self._used[addr] = now
         sock = self._socks.get(addr)
         try:
             if sock is None:
@@ -244,19 +254,52 @@ class SideChannelClient:
             if sock is not None:
                 sock.close()
             self._socks.pop(addr, None)
+            self._used.pop(addr, None)
+            timed_out = exc.errno == zmq.EAGAIN
             raise SideChannelError(
                 f"side channel {addr} did not answer within {self.timeout_ms} ms ({exc})"
-                if exc.errno == zmq.EAGAIN else f"side channel {addr}: {exc}"
+                if timed_out else f"side channel {addr}: {exc}",
+                "timeout" if timed_out else "unreachable",
             ) from exc
         try:
             reply = proto.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise SideChannelError(f"side channel {addr} sent a malformed reply: {exc}") from exc
+            raise SideChannelError(f"side channel {addr} sent a malformed reply: {exc}",
+                                   "bad_reply") from exc
         if isinstance(reply, proto.ErrorReply):
-            raise SideChannelError(f"side channel {addr} refused: {reply.message}")
+            raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply
+
+    def reap(self, now: float | None = None) -> int:
+        """Close the sockets unused for ``idle_ttl_s``; returns how many."""
+        now = self._clock() if now is None else now
+        idle = []
+        for addr, used in self._used.items():
+            if now - used < self.idle_ttl_s:
+                break  # the rest were used later
+            idle.append(addr)
+        for addr in idle:
+            self._close(addr)
+        return len(idle)
+
+    def drop(self, host: str, port: int) -> bool:
+        """Close the socket to one endpoint (its peer is gone); False if none."""
+        return self._close(proto.tcp_address(host, port))
+
+    def _close(self, addr: str) -> bool:
+        self._used.pop(addr, None)
+        sock = self._socks.pop(addr, None)
+        if sock is None:
+            return False
+        sock.close()
+        return True
+
+    @property
+    def num_sockets(self) -> int:
+        return len(self._socks)
 
     def close(self) -> None:
         for sock in self._socks.values():
             sock.close()
         self._socks.clear()
+        self._used.clear()

@@ -100,16 +100,23 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    """GET /v1/models, answered by a decode engine (it serves the model)."""
+    """GET /v1/models, answered by a decode engine (it serves the model).
+
+    A client call: it carries the client's ``Authorization``, never the
+    proxy's ``--backend-api-key`` (which would open the engines to anyone who
+    can reach the proxy).
+    """
     app = request.app
     backend = app[DECODE].pick(0)
     if backend is None:
         return errors.no_backend(app[DECODE].describe_unavailable()).response("-")
     timeout = app[CONFIG].health_timeout
     session = app[SESSION]
+    auth = request.headers.get("Authorization")
+    headers = {"Authorization": auth} if auth else None
     try:
         async with asyncio.timeout(timeout):
-            async with session.get(backend.url + "/v1/models") as resp:
+            async with session.get(backend.url + "/v1/models", headers=headers) as resp:
                 data = await resp.read()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return web.Response(status=resp.status, body=data, headers={"Content-Type": ctype})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +25,10 @@ from .routing import POLICIES
 logger = logging.getLogger("vllm_pd_proxy")
 
 _D = ProxyConfig()  # defaults shown in --help come from the dataclass
+
+# Read when --backend-api-key is absent; the environment keeps the key out of
+# `ps` output and shell history.
+API_KEY_ENV = "VLLM_PD_BACKEND_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         default=_D.prefill_retries,
         help="retries of a prefill leg on another prefill engine after "
-        "502/503/504 or a connection failure",
+        "502/503/504 or a failed connect (never once the request was sent)",
     )
     g.add_argument(
         "--connect-timeout",
@@ -168,6 +173,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.max_request_bytes,
         help="largest accepted client request body",
     )
+    g.add_argument(
+        "--max-total-body-bytes",
+        type=int,
+        metavar="N",
+        default=_D.max_total_body_bytes,
+        help="all client request bodies held at once; new requests get 503 above it",
+    )
+    g.add_argument(
+        "--max-sse-event-bytes",
+        type=int,
+        metavar="N",
+        default=_D.max_sse_event_bytes,
+        help="longest SSE event relayed from a decode engine; a longer one fails the request",
+    )
+    g.add_argument(
+        "--backend-api-key",
+        metavar="KEY",
+        # Not the env value as default: --help prints defaults, never the key.
+        default=argparse.SUPPRESS,
+        help=f"API key of engines started with --api-key, sent on the proxy's own "
+        f"health, /v1/models and identity probe calls (client calls carry the "
+        f"client's Authorization); default: ${API_KEY_ENV}",
+    )
     g = p.add_argument_group("runtime")
     g.add_argument(
         "--log-level",
@@ -206,6 +234,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_connections_per_backend=args.max_connections_per_backend,
         keepalive_timeout=args.keepalive_timeout,
         max_request_bytes=args.max_request_bytes,
+        max_total_body_bytes=args.max_total_body_bytes,
+        max_sse_event_bytes=args.max_sse_event_bytes,
+        backend_api_key=getattr(args, "backend_api_key", None) or os.environ.get(API_KEY_ENV),
     ).validated()
 
 

@@ -9,7 +9,7 @@ objects ``create_app`` builds from it.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -55,8 +55,8 @@ class ProxyConfig:
     # prefix remembered per decode engine; 0 disables it.
     prefix_aware_len: int = 0
     prefix_cache_size: int = 1024
-    # Retries of the prefill leg on another prefill engine (502/503/504 or
-    # connection failure, before anything went to D or the client).
+    # Retries of the prefill leg on another prefill engine (502/503/504 or a
+    # failed connect, before anything went to D or the client).
     prefill_retries: int = 1
     connect_timeout: float = 10.0
     prefill_timeout: float = 300.0
@@ -71,6 +71,16 @@ class ProxyConfig:
     keepalive_timeout: float = 4.0
     # Long prompts (and base64 images) exceed aiohttp's 1 MiB default.
     max_request_bytes: int = 64 * 1024 * 1024
+    # All client request bodies held at once: 16 maximal requests, or many
+    # thousands of ordinary ones; above it new requests get 503.
+    max_total_body_bytes: int = 1024 * 1024 * 1024
+    # Longest partial SSE event held back while relaying D's stream. vLLM's
+    # events are KBs, but prompt_logprobs of a long prompt come in one event.
+    max_sse_event_bytes: int = 16 * 1024 * 1024
+    # Sent as "Authorization: Bearer <key>" on the proxy's own calls (health,
+    # identity probes) to engines started with --api-key. repr=False: the
+    # config may be logged or printed, the key must not be.
+    backend_api_key: str | None = field(default=None, repr=False)
 
     def validated(self) -> ProxyConfig:
         """Return a copy with normalized URLs; raise ConfigError on bad values."""
@@ -109,4 +119,11 @@ class ProxyConfig:
             raise ConfigError("--max-connections must be >= 1, --max-connections-per-backend >= 0")
         if self.max_request_bytes < 1024:
             raise ConfigError("--max-request-bytes must be >= 1024")
-        return dataclasses.replace(self, prefill=prefill, decode=decode)
+        if self.max_total_body_bytes < self.max_request_bytes:
+            # Otherwise a request the per-request cap allows could never be served.
+            raise ConfigError("--max-total-body-bytes must be >= --max-request-bytes")
+        if self.max_sse_event_bytes < 1024:
+            raise ConfigError("--max-sse-event-bytes must be >= 1024")
+        # An empty key (e.g. an empty environment variable) means no key.
+        api_key = self.backend_api_key or None
+        return dataclasses.replace(self, prefill=prefill, decode=decode, backend_api_key=api_key)

@@ -4,11 +4,18 @@ Lifecycle: :mod:`vllm_pd_proxy.forward` creates one :class:`RequestContext`
 when a client request arrives, the legs fill it in (chosen backends, first
 byte time, outcome), and at the end it feeds the metrics and produces the one
 structured INFO access-log line per request.
+
+Everything a client controls is made safe before it reaches a log line:
+:func:`sanitize_request_id` for the ``X-Request-Id`` the proxy adopts (and
+builds push ids from), :func:`log_safe` for free text such as error messages,
+which may quote a backend body that echoes the client's input.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +24,29 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 access_log = logging.getLogger("vllm_pd_proxy.access")
+
+# Longer client ids are cut: uuids, prefixed uuids and trace ids fit easily.
+MAX_REQUEST_ID_LEN = 128
+# Everything else (spaces, "=", quotes, tabs, control and non-ASCII characters)
+# becomes "_": a request id must stay one value of the key=value access line,
+# so "x status=200 outcome=ok" cannot forge fields and no newline can forge lines.
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9._:/+@~-]")
+
+
+def sanitize_request_id(raw: str | None) -> str | None:
+    """The client's ``X-Request-Id`` made safe to log and to build ids from.
+
+    At most :data:`MAX_REQUEST_ID_LEN` characters of ``[A-Za-z0-9._:/+@~-]``;
+    None when nothing usable is left (the caller then makes a fresh id).
+    """
+    if not raw:
+        return None
+    return _UNSAFE_ID_CHARS.sub("_", raw[:MAX_REQUEST_ID_LEN]) or None
+
+
+def log_safe(text: str) -> str:
+    """``text`` as one quoted, escaped token: no newline, control character or bare quote."""
+    return json.dumps(text)
 
 
 @dataclass(slots=True)
@@ -58,5 +88,5 @@ class RequestContext:
                 e2e * 1000,
                 self.tokens,
                 self.retries,
-                f' error="{self.error}"' if self.error else "",
+                f" error={log_safe(self.error)}" if self.error else "",
             )

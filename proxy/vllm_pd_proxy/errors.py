@@ -11,8 +11,10 @@ SSE error event after it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import aiohttp
 from aiohttp import web
 
 if TYPE_CHECKING:
@@ -23,10 +25,21 @@ if TYPE_CHECKING:
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
 
-def error_json(status: int, message: str, err_type: str) -> bytes:
-    """The body vLLM's OpenAI server uses for errors."""
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+def error_json(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
+    """The body vLLM's OpenAI server uses for errors (``param``: the field at fault)."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return json.dumps(body).encode()
+
+
+def failed_before_send(exc: BaseException) -> bool:
+    """Whether a client error certainly happened before the backend got the request.
+
+    Only a failed connect qualifies (refused, unresolvable, TLS, connect
+    timeout): no byte of the request left. Any later failure (reset, server
+    disconnected, truncated answer) may come after the engine ran it, even
+    finished it (a pull P then holds the KV under a lease for D).
+    """
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
 class ProxyError(Exception):
@@ -43,6 +56,7 @@ class ProxyError(Exception):
         body: bytes | None = None,
         content_type: str = "application/json",
         backend: Backend | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -53,10 +67,11 @@ class ProxyError(Exception):
         self.body = body if body is not None else error_json(status, message, err_type)
         self.content_type = content_type
         self.backend = backend  # the backend at fault, if any
+        self.headers = dict(headers or {})  # extra response headers (Retry-After)
 
     def response(self, request_id: str) -> web.Response:
         # Content-Type as a header: a backend's may carry a charset parameter.
-        headers = {"Content-Type": self.content_type, "X-Request-Id": request_id}
+        headers = {**self.headers, "Content-Type": self.content_type, "X-Request-Id": request_id}
         return web.Response(status=self.status, body=self.body, headers=headers)
 
     def sse_event(self) -> bytes:
@@ -65,8 +80,26 @@ class ProxyError(Exception):
         return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
-def bad_request(message: str) -> ProxyError:
-    return ProxyError(400, message, err_type="invalid_request_error", outcome="bad_request")
+def bad_request(message: str, param: str | None = None) -> ProxyError:
+    err_type = "invalid_request_error"
+    return ProxyError(
+        400,
+        message,
+        err_type=err_type,
+        outcome="bad_request",
+        body=error_json(400, message, err_type, param),
+    )
+
+
+def overloaded(message: str) -> ProxyError:
+    """The proxy itself is at a capacity limit; the client may retry shortly."""
+    return ProxyError(
+        503,
+        message,
+        err_type="service_unavailable",
+        outcome="overloaded",
+        headers={"Retry-After": "1"},
+    )
 
 
 def no_backend(detail: str) -> ProxyError:
@@ -92,13 +125,21 @@ def upstream_status(
 
 
 def upstream_unreachable(leg: str, backend: Backend, exc: BaseException) -> ProxyError:
+    """A connection failure; retryable only if the request certainly never left."""
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    before = failed_before_send(exc)
+    message = f"{leg} backend {backend.url} failed: {detail}"
+    if leg == "prefill" and not before:  # D legs are never retried anyway
+        message += (
+            " (after the request was sent, so the engine may have run it; "
+            "not retried on another engine)"
+        )
     return ProxyError(
         502,
-        f"{leg} backend {backend.url} failed: {detail}",
+        message,
         err_type="upstream_error",
         outcome="upstream_unreachable",
-        retryable=True,
+        retryable=before,
         backend=backend,
     )
 

@@ -4,12 +4,14 @@ Lifecycle: the app's cleanup context builds one :class:`Forwarder` around the
 shared ClientSession; ``POST /v1/completions`` and ``/v1/chat/completions``
 call :meth:`Forwarder.handle` once per client request. Flow:
 
-1. parse the body (400 on bad JSON), estimate prompt tokens, pick the mode:
-   ``local`` (conditional disaggregation: D prefills itself), ``pull`` or
-   ``push`` (``--transfer-mode``);
-2. pull: P leg (retried on another P for 502/503/504 or connection failures),
-   then the D leg with P's ``kv_transfer_params``; push: P and D legs at once,
-   D cancelled if P fails before D's first byte;
+1. read the body under the memory caps (413/503, :mod:`vllm_pd_proxy.body`),
+   parse it (400 on bad JSON or ``n``/``best_of`` > 1), estimate prompt
+   tokens, pick the mode: ``local`` (conditional disaggregation: D prefills
+   itself), ``pull`` or ``push`` (``--transfer-mode``);
+2. pull: P leg (retried on another P for 502/503/504 or a connection that
+   failed before the request left), then the D leg with P's
+   ``kv_transfer_params``; push: P and D legs at once, D cancelled if P fails
+   (or answers from another engine than D was told) before D's first byte;
 3. relay D's answer (:mod:`vllm_pd_proxy.relay`), then metrics + access log.
 
 Client disconnects cancel the handler (aiohttp ``handler_cancellation``); the
@@ -31,8 +33,9 @@ from aiohttp import web
 
 from . import errors
 from .backends import Backend, Pool, PrefillIdentity
+from .body import BodyBudget, parse_body, read_body, reject_unsupported
 from .config import ProxyConfig
-from .context import RequestContext
+from .context import RequestContext, log_safe, sanitize_request_id
 from .health import HealthMonitor, ProbeError
 from .legs import (
     decode_body,
@@ -55,18 +58,8 @@ logger = logging.getLogger("vllm_pd_proxy.forward")
 
 _encode = msgspec.json.encode
 
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The client's JSON object, or a 400 ProxyError saying what is wrong."""
-    if not raw:
-        raise errors.bad_request("request body is empty; expected a JSON object")
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise errors.bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise errors.bad_request("request body must be a JSON object")
-    return body
+# D-leg outcomes that a stale push identity can cause (P refused D's registration).
+_D_FAILURES = frozenset({"upstream_5xx", "upstream_unreachable", "timeout"})
 
 
 class Forwarder:
@@ -88,13 +81,20 @@ class Forwarder:
         self._monitor = monitor
         self._metrics = metrics
         self._push = config.transfer_mode == "push"
+        self._bodies = BodyBudget(config.max_total_body_bytes)
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        # The one place the client's id enters: everything after (logs, legs,
+        # push ids, the response header) sees the sanitized form.
+        rid = sanitize_request_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
         ctx = RequestContext(rid, request.path, loop.time(), chat=chat)
+        held = self._bodies.reservation()
         try:
-            body = parse_body(await request.read())
+            raw = await read_body(request, held, self._config.max_request_bytes)
+            body = parse_body(raw)
+            del raw  # the parsed body replaces it; do not keep both alive
+            reject_unsupported(body)
             ctx.stream = bool(body.get("stream"))
             ctx.tokens = estimate_tokens(body, chat)
             headers = {"Content-Type": "application/json", "X-Request-Id": rid}
@@ -125,6 +125,7 @@ class Forwarder:
             ctx.status, ctx.outcome, ctx.error = 500, err.outcome, err.message
             return err.response(rid)
         finally:
+            held.release()
             ctx.finish(loop.time(), self._metrics)
 
     # -- decisions -----------------------------------------------------------
@@ -225,7 +226,7 @@ class Forwarder:
                     "request %s: retrying prefill on %s after: %s",
                     ctx.request_id,
                     prefill.url,
-                    last.message,
+                    log_safe(last.message),
                 )
             ctx.prefill = prefill
             try:
@@ -254,9 +255,20 @@ class Forwarder:
         p_body = _encode(prefill_body(body, push_prefill_params(pd_id)))
         d_body = _encode(decode_body(body, push_decode_params(identity, pd_id)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
-        p_task = asyncio.ensure_future(self._prefill_leg(ctx, prefill, p_body, headers))
+        p_task = asyncio.ensure_future(
+            self._push_prefill_leg(ctx, prefill, identity, p_body, headers)
+        )
         try:
             return await self._decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+        except errors.ProxyError as exc:
+            d_failed = exc.backend is decode and exc.outcome in _D_FAILURES
+            if d_failed and not p_task.done():
+                # D failed while P was still prefilling. A P restarted at the
+                # same URL refuses D's registration (stale engine id) at once,
+                # so this is how a restart often shows first; P's answer, which
+                # would name its new identity, is about to be cancelled.
+                self._monitor.check_soon(prefill, reprobe=True)
+            raise
         finally:
             if not p_task.done():
                 p_task.cancel()  # closes P's connection: the engine aborts
@@ -265,8 +277,37 @@ class Forwarder:
                 logger.warning(
                     "request %s: prefill leg failed after decode answered: %s",
                     rid,
-                    results[0].message,
+                    log_safe(results[0].message),
                 )
+
+    async def _push_prefill_leg(
+        self,
+        ctx: RequestContext,
+        prefill: Backend,
+        identity: PrefillIdentity,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> dict[str, Any]:
+        """A push P leg whose answer must come from the engine D was told about.
+
+        A mismatch means P restarted since it was probed: D was sent the old
+        identity and cannot receive this KV, so it is a P-leg failure (D is
+        cancelled if it has not answered yet). Not retried: D already had its
+        leg, P already ran the prefill, and the refreshed identity serves the
+        client's next attempt.
+        """
+        answer = await self._prefill_leg(ctx, prefill, body, headers)
+        params = answer.get("kv_transfer_params")
+        changed = self._monitor.check_answer_identity(prefill, identity, params)
+        if changed is not None:
+            raise errors.protocol_error(
+                "prefill",
+                prefill,
+                f"engine identity changed since it was probed: {changed}; the KV cannot "
+                "reach the decode engine, request not retried (the identity is refreshed, "
+                "a new request uses it)",
+            )
+        return answer
 
     async def _pick_push_prefill(self, ctx: RequestContext) -> tuple[Backend, PrefillIdentity]:
         """A prefill engine whose identity is known; nothing is sent to D yet."""
@@ -339,6 +380,8 @@ class Forwarder:
         """Run the D leg and relay it; ``guard`` is a concurrent push P leg."""
         decode = decode or self._pick_decode(ctx)
         ctx.decode = decode
+        config = self._config
+        max_event = config.max_sse_event_bytes
         loop = asyncio.get_running_loop()
         started = loop.time()
         decode.acquire(ctx.tokens)
@@ -346,11 +389,18 @@ class Forwarder:
         try:
             if guard is None:
                 opened = await open_decode(
-                    self._session, ctx, decode, body, headers, self._config.decode_timeout
+                    self._session, ctx, decode, body, headers, config.decode_timeout, max_event
                 )
             else:
                 opened = await open_decode_guarded(
-                    self._session, ctx, decode, body, headers, self._config.decode_timeout, guard
+                    self._session,
+                    ctx,
+                    decode,
+                    body,
+                    headers,
+                    config.decode_timeout,
+                    max_event,
+                    guard,
                 )
             if prefix is not None and decode.prefixes is not None:
                 decode.prefixes.touch(prefix)
@@ -358,7 +408,7 @@ class Forwarder:
                 ctx.ttft = loop.time() - ctx.started
                 return complete_response(ctx, opened)
             out, error = await relay_stream(
-                request, ctx, decode, opened, self._config.stream_idle_timeout
+                request, ctx, decode, opened, config.stream_idle_timeout, max_event
             )
             if error is not None:
                 ctx.outcome, ctx.error = "stream_error", error.message

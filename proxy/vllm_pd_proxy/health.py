@@ -6,9 +6,16 @@ task that every ``--health-interval`` seconds sends ``GET /health`` to every
 backend and, in push mode, re-probes each healthy prefill engine's identity
 (an engine restart changes its ``remote_engine_id``). The request path calls
 :meth:`check_soon` after a failed leg (so a dead engine leaves rotation within
-milliseconds instead of at the next round) and :meth:`ensure_identity` when a
-push-mode prefill engine has not been probed yet. The cleanup context cancels
-everything on shutdown.
+milliseconds instead of at the next round), :meth:`ensure_identity` when a
+push-mode prefill engine has not been probed yet, and
+:meth:`check_answer_identity` with every push P answer (which names the engine
+that served it), so a restart at the same URL is noticed by the first request
+it affects, not at the next round. The cleanup context cancels everything on
+shutdown.
+
+Engines started with ``--api-key`` need ``Authorization`` on ``/v1/*``: the
+monitor's own calls (health, ``/v1/models``, identity probe) send
+``--backend-api-key`` as a bearer token. It is never logged.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class HealthMonitor:
         self._pending_checks: set[Backend] = set()
         self._probing: dict[Backend, asyncio.Task[PrefillIdentity]] = {}
         self._refresh: asyncio.Task[None] | None = None
+        key = config.backend_api_key
+        self._auth: dict[str, str] = {"Authorization": f"Bearer {key}"} if key else {}
 
     @property
     def backends(self) -> list[Backend]:
@@ -93,12 +102,13 @@ class HealthMonitor:
         before = backend.state
         try:
             async with asyncio.timeout(self._config.health_timeout):
-                async with self._session.get(backend.url + "/health") as resp:
+                async with self._session.get(backend.url + "/health", headers=self._auth) as resp:
                     await resp.read()
                     status = resp.status
         except TimeoutError:
             backend.mark(
-                "unhealthy", f"health probe timed out after {self._config.health_timeout:g} s",
+                "unhealthy",
+                f"health probe timed out after {self._config.health_timeout:g} s",
                 slow=True,
             )
         except aiohttp.ClientError as exc:
@@ -169,6 +179,49 @@ class HealthMonitor:
             self._probing[backend] = task
         return await asyncio.shield(task)
 
+    def check_answer_identity(
+        self, backend: Backend, dispatched: PrefillIdentity, params: Any
+    ) -> str | None:
+        """Compare a push P answer's identity with the one its D leg was sent.
+
+        ``params`` is the answer's ``kv_transfer_params``. On a mismatch (P
+        restarted at the same URL: new engine id, maybe a new side channel)
+        the cached identity is replaced by the answered one at once, or
+        dropped (so the next request probes) if the answer is not a usable
+        push identity; returns a description of the mismatch. None when they
+        agree or the answer names no engine (P handed over no KV: nothing to
+        compare).
+        """
+        if not isinstance(params, dict) or params.get("remote_engine_id") is None:
+            return None
+        answered = _endpoint_of(params)
+        sent = (dispatched.engine_id, dispatched.host, str(dispatched.port))
+        if answered == sent:
+            return None
+        what = (
+            f"the decode leg was sent engine {sent[0]} at {sent[1]}:{sent[2]} but the prefill "
+            f"answer came from engine {answered[0]} at {answered[1]}:{answered[2]} (restarted?)"
+        )
+        try:
+            identity = identity_from_params(params)
+        except ProbeError as exc:
+            backend.identity = None  # the next request probes afresh
+            logger.warning(
+                "prefill %s identity changed: %s; answer unusable (%s), identity dropped",
+                backend.url,
+                what,
+                exc,
+            )
+        else:
+            logger.info(
+                "prefill %s identity changed: %s; identity refreshed from the answer",
+                backend.url,
+                what,
+            )
+            backend.identity = identity
+            backend.identity_error = backend.identity_error_at = None
+        return what
+
     async def _probe(self, backend: Backend) -> PrefillIdentity:
         try:
             identity = await self._probe_once(backend)
@@ -194,7 +247,7 @@ class HealthMonitor:
         return identity
 
     async def _get_json(self, method: str, url: str, body: Any = None) -> Any:
-        headers = {"X-Request-Id": "pd-probe-" + uuid.uuid4().hex}
+        headers = {**self._auth, "X-Request-Id": "pd-probe-" + uuid.uuid4().hex}
         try:
             async with asyncio.timeout(self._config.health_timeout):
                 async with self._session.request(method, url, json=body, headers=headers) as r:
@@ -229,27 +282,45 @@ class HealthMonitor:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(params, dict):
             raise ProbeError("probe answer has no kv_transfer_params")
-        missing = [k for k in IDENTITY_KEYS if params.get(k) is None]
-        if missing:
-            raise ProbeError(f"probe kv_transfer_params lack {missing}")
-        mode = params.get("transfer_mode")
-        if mode != "push":
-            # vLLM's in-tree NixlConnector answers the probe like a normal
-            # request (no transfer_mode) and a pull-configured vllm_pd_ext
-            # engine says "pull": neither accepts push legs, so refuse the
-            # engine here instead of failing every D leg later.
-            raise ProbeError(
-                f"probe answered transfer_mode={mode!r}, not 'push': the engine must run "
-                "the vllm_pd_ext connector with transfer_mode push for --transfer-mode push"
-            )
-        try:
-            return PrefillIdentity(
-                engine_id=str(params["remote_engine_id"]),
-                host=str(params["remote_host"]),
-                port=int(params["remote_port"]),
-                tp_size=int(params.get("tp_size") or 1),
-                transfer_mode=params.get("transfer_mode"),
-                probed_at=time.monotonic(),
-            )
-        except (TypeError, ValueError) as exc:
-            raise ProbeError(f"probe kv_transfer_params malformed: {exc}") from None
+        return identity_from_params(params)
+
+
+def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
+    """A push-capable prefill identity from P's ``kv_transfer_params``; ProbeError if not.
+
+    The same fields come back from the identity probe and from every push P
+    leg (vllm_pd_ext's connector builds both from one dict).
+    """
+    missing = [k for k in IDENTITY_KEYS if params.get(k) is None]
+    if missing:
+        raise ProbeError(f"probe kv_transfer_params lack {missing}")
+    mode = params.get("transfer_mode")
+    if mode != "push":
+        # vLLM's in-tree NixlConnector answers the probe like a normal
+        # request (no transfer_mode) and a pull-configured vllm_pd_ext
+        # engine says "pull": neither accepts push legs, so refuse the
+        # engine here instead of failing every D leg later.
+        raise ProbeError(
+            f"probe answered transfer_mode={mode!r}, not 'push': the engine must run "
+            "the vllm_pd_ext connector with transfer_mode push for --transfer-mode push"
+        )
+    try:
+        return PrefillIdentity(
+            engine_id=str(params["remote_engine_id"]),
+            host=str(params["remote_host"]),
+            port=int(params["remote_port"]),
+            tp_size=int(params.get("tp_size") or 1),
+            transfer_mode=mode,
+            probed_at=time.monotonic(),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ProbeError(f"probe kv_transfer_params malformed: {exc}") from None
+
+
+def _endpoint_of(params: dict[str, Any]) -> tuple[str, str, str]:
+    """(engine id, host, port) as strings, for comparing identities loosely typed."""
+    return (
+        str(params.get("remote_engine_id")),
+        str(params.get("remote_host")),
+        str(params.get("remote_port")),
+    )

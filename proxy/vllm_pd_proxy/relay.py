@@ -10,7 +10,10 @@ SSE relaying is event-aligned: bytes are forwarded up to the last complete
 event (``\\n\\n``) and a partial event is held back, so when the backend dies
 mid-stream the proxy can end the stream with a well-formed error event
 (``data: {"error": ...}`` then ``data: [DONE]``, as vLLM itself does) instead of
-a truncated line. Called once per request by :mod:`vllm_pd_proxy.forward`,
+a truncated line. The held-back part is capped (``--max-sse-event-bytes``): a
+backend that never ends its event fails the request (502 before the first
+byte, an error event after it) instead of growing the proxy's memory without
+bound. Called once per request by :mod:`vllm_pd_proxy.forward`,
 which owns the upstream response and closes it (aborting the engine request)
 whatever happens.
 """
@@ -54,16 +57,44 @@ def split_events(buf: bytes) -> tuple[bytes, bytes]:
     return buf[:cut], buf[cut:]
 
 
-async def read_events(resp: aiohttp.ClientResponse, pending: bytes) -> tuple[bytes, bytes, bool]:
-    """Read until at least one complete event: (events, partial rest, eof)."""
+class OversizedEvent(Exception):
+    """The backend sent more than the cap without ending its SSE event."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"sent {size} bytes of one SSE event without an event boundary "
+            f"(limit --max-sse-event-bytes {limit})"
+        )
+
+
+async def read_events(
+    resp: aiohttp.ClientResponse, pending: bytes, max_event_bytes: int
+) -> tuple[bytes, bytes, bool]:
+    """Read until at least one complete event: (events, partial rest, eof).
+
+    Raises :class:`OversizedEvent` once the partial event exceeds ``max_event_bytes``.
+    """
+    buf = bytearray(pending)
     while True:
         chunk = await resp.content.readany()
         if not chunk:
             # Clean end of the body: flush what is left as it is.
-            return pending, b"", True
-        events, pending = split_events(pending + chunk if pending else chunk)
-        if events:
-            return events, pending, False
+            return bytes(buf), b"", True
+        if not buf:  # the common case: nothing held back, no copy
+            events, rest = split_events(chunk)
+            if events:
+                return events, rest, False
+            buf += chunk
+        else:
+            # Only the new bytes, and the 3 before them (a boundary split across
+            # chunks), can hold the first boundary: no rescan of what is held.
+            start = max(len(buf) - 3, 0)
+            buf += chunk
+            if buf.find(b"\n\n", start) >= 0 or buf.find(b"\r\n\r\n", start) >= 0:
+                events, rest = split_events(bytes(buf))
+                return events, rest, False
+        if len(buf) > max_event_bytes:
+            raise OversizedEvent(len(buf), max_event_bytes)
 
 
 async def open_decode(
@@ -73,11 +104,13 @@ async def open_decode(
     body: bytes,
     headers: dict[str, str],
     timeout: float,
+    max_event_bytes: int,
 ) -> OpenedDecode:
     """Send the D leg; return once the first bytes of a 2xx answer arrived.
 
     Raises ProxyError: the backend's own status and body for an error answer,
-    502 if it cannot be reached, 504 after ``timeout`` seconds.
+    502 if it cannot be reached or its first SSE event exceeds
+    ``max_event_bytes``, 504 after ``timeout`` seconds.
     """
     try:
         async with asyncio.timeout(timeout):
@@ -88,7 +121,10 @@ async def open_decode(
                     ctype = resp.headers.get("Content-Type")
                     raise errors.upstream_status("decode", backend, resp.status, data, ctype)
                 if ctx.stream and resp.content_type == SSE_CONTENT_TYPE:
-                    first, pending, eof = await read_events(resp, b"")
+                    try:
+                        first, pending, eof = await read_events(resp, b"", max_event_bytes)
+                    except OversizedEvent as exc:
+                        raise errors.protocol_error("decode", backend, str(exc)) from None
                     return OpenedDecode(resp, first, pending, eof, True)
                 return OpenedDecode(resp, await resp.read(), b"", True, False)
             except BaseException:
@@ -109,6 +145,7 @@ async def open_decode_guarded(
     body: bytes,
     headers: dict[str, str],
     timeout: float,
+    max_event_bytes: int,
     guard: asyncio.Future[Any],
 ) -> OpenedDecode:
     """:func:`open_decode`, abandoned if ``guard`` (the push P leg) fails first.
@@ -116,7 +153,9 @@ async def open_decode_guarded(
     Raises the guard's error in that case: the client gets P's failure and the
     D leg is cancelled, closing its connection so D frees what it reserved.
     """
-    task = asyncio.ensure_future(open_decode(session, ctx, backend, body, headers, timeout))
+    task = asyncio.ensure_future(
+        open_decode(session, ctx, backend, body, headers, timeout, max_event_bytes)
+    )
     try:
         done, _ = await asyncio.wait((task, guard), return_when=asyncio.FIRST_COMPLETED)
         if task not in done:
@@ -150,6 +189,7 @@ async def relay_stream(
     backend: Backend,
     opened: OpenedDecode,
     idle_timeout: float,
+    max_event_bytes: int,
 ) -> tuple[web.StreamResponse, errors.ProxyError | None]:
     """Relay an opened SSE answer; returns the response and a mid-stream error.
 
@@ -170,7 +210,10 @@ async def relay_stream(
         while not eof:
             try:
                 async with asyncio.timeout(idle_timeout):
-                    events, pending, eof = await read_events(resp, pending)
+                    events, pending, eof = await read_events(resp, pending, max_event_bytes)
+            except OversizedEvent as exc:
+                error = errors.protocol_error("decode", backend, str(exc))
+                break
             except aiohttp.ClientError as exc:
                 error = errors.upstream_unreachable("decode", backend, exc)
                 break

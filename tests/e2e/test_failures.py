@@ -190,3 +190,61 @@ def test_p_restart_is_detected_and_rehandshaked(fail_engines: dict[str, Engine],
     assert "unknown to P (P restarted?)" in d.log_text()
     handoff(seed=38)  # and D recovers without a restart of its own
     assert d.alive()
+
+
+def test_replayed_d_leg_never_reads_freed_blocks(fail_engines: dict[str, Engine], d: Engine,
+                                                 ref: Engine, model: str) -> None:
+    """Item 6: the same P answer used again after its load released P's
+    blocks. D (its own cache_salt, so no prefix hit hides the load) is
+    refused the pin and fails cleanly (policy fail) or recomputes the same
+    tokens (policy recompute); it never decodes over freed blocks."""
+    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    body = completion_body(model, token_prompt(270, seed=41), max_tokens=8)
+    _, want = ref.post("/v1/completions", body)
+    params = prefill(p, body)
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
+    assert status == 200, got
+    assert delta(before, d_recompute.metrics(), EXTERNAL) == 270
+    assert_same_as_reference(ref, got, want)
+    poke(p, model)  # P frees the released blocks (and may reuse them)
+    status, got = d.post("/v1/completions", dict(body, cache_salt="replay-fail",
+                                                 kv_transfer_params=params))
+    assert status >= 500, got
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions", dict(body, cache_salt="replay-recompute",
+                                                           kv_transfer_params=params))
+    after = d_recompute.metrics()
+    assert status == 200, got
+    assert delta(before, after, EXTERNAL) == 0
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
+    assert_same_as_reference(ref, got, want)
+    assert "expired on P" in d_recompute.log_text()
+
+
+def test_n2_on_one_p_answer_loads_once_and_the_other_child_is_refused(
+        fail_engines: dict[str, Engine], d: Engine, ref: Engine, model: str) -> None:
+    """Item 7: ``n=2`` sent straight to D (no proxy, which answers 400): vLLM
+    fans out two children carrying one P answer. One loads P's KV; the other
+    fails its load with an error naming the reuse, so policy fail errors the
+    request and policy recompute prefills that child locally: both choices
+    equal the collocated engine's."""
+    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    body = completion_body(model, token_prompt(260, seed=42), max_tokens=6)
+    _, want = ref.post("/v1/completions", body)
+    status, got = d.post("/v1/completions", dict(body, n=2, kv_transfer_params=prefill(p, body)))
+    assert status >= 400, got
+    assert "already using" in d.log_text()
+    assert d.alive()
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions",
+                                   dict(body, n=2, kv_transfer_params=prefill(p, body)))
+    after = d_recompute.metrics()
+    assert status == 200, got
+    assert len(got["choices"]) == 2
+    assert delta(before, after, EXTERNAL) == 260  # one child's KV came from P
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
+    for choice in got["choices"]:
+        one = dict(got, choices=[dict(choice, index=0)])
+        assert_same_as_reference(ref, one, want)
+    assert "already using" in d_recompute.log_text()

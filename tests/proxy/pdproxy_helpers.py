@@ -39,7 +39,11 @@ class FakeEngine:
     ``delay`` (before answering), ``chunks``/``chunk_delay`` (decode stream),
     ``kv_params`` (P answer's kv_transfer_params; None omits them),
     ``engine_id``/``probe_transfer_mode`` (identity probe answer; None omits
-    transfer_mode), ``override`` (a custom handler).
+    transfer_mode), ``api_key`` (as vLLM's ``--api-key``: ``/v1/*`` needs
+    ``Authorization: Bearer <key>``, else 401), ``override`` (a custom handler).
+    As with vllm_pd_ext's connector, the probe and a prefill answer carry the
+    same identity; :meth:`restart` changes it in both. ``seen`` records
+    completion requests, ``gets`` the GET requests (health, models).
     """
 
     role: str
@@ -53,8 +57,10 @@ class FakeEngine:
     chunks: list[str] = field(default_factory=lambda: ["Hello", ",", " world"])
     chunk_delay: float = 0.0
     kv_params: dict[str, Any] | None = None
+    api_key: str | None = None
     override: Override | None = None
     seen: list[Seen] = field(default_factory=list)
+    gets: list[Seen] = field(default_factory=list)
     in_flight: int = 0
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     received: asyncio.Event = field(default_factory=asyncio.Event)
@@ -65,12 +71,27 @@ class FakeEngine:
             self.kv_params = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
-                "remote_engine_id": self.engine_id,
+                **self.identity(),
                 "remote_block_ids": [1, 2, 3],
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 1,
             }
+
+    def identity(self) -> dict[str, Any]:
+        """What the engine says about itself in the probe and in P answers."""
+        identity: dict[str, Any] = {
+            "remote_engine_id": self.engine_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 2,
+        }
+        if self.probe_transfer_mode is not None:
+            identity["transfer_mode"] = self.probe_transfer_mode
+        return identity
+
+    def restart(self, engine_id: str) -> None:
+        """The engine restarted at the same URL: a new engine id everywhere."""
+        self.engine_id = engine_id
+        if self.kv_params is not None and "remote_engine_id" in self.kv_params:
+            self.kv_params = {**self.kv_params, "remote_engine_id": engine_id}
 
     @property
     def url(self) -> str:
@@ -106,12 +127,24 @@ class FakeEngine:
         if self.server is not None:
             await self.server.close()
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        """vLLM's --api-key check: 401 unless the bearer token matches."""
+        if self.api_key is None or request.headers.get("Authorization") == (
+            f"Bearer {self.api_key}"
+        ):
+            return None
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
     async def _health(self, request: web.Request) -> web.Response:
+        self.gets.append(Seen(request.path, {}, CIMultiDict(request.headers), time.monotonic()))
         if self.health_delay:
             await asyncio.sleep(self.health_delay)
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.gets.append(Seen(request.path, {}, CIMultiDict(request.headers), time.monotonic()))
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         return web.json_response(
             {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         )
@@ -119,18 +152,12 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers), time.monotonic()))
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         kv = body.get("kv_transfer_params") or {}
         if kv.get("pd_ext_probe"):
-            identity = {
-                "remote_engine_id": self.engine_id,
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 2,
-            }
-            if self.probe_transfer_mode is not None:
-                identity["transfer_mode"] = self.probe_transfer_mode
             answer = {"id": "probe", "choices": [{"index": 0, "text": "x"}]}
-            return web.json_response({**answer, "kv_transfer_params": identity})
+            return web.json_response({**answer, "kv_transfer_params": self.identity()})
         self.in_flight += 1
         self.received.set()
         try:

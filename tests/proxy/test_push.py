@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from aiohttp import web
-from pdproxy_helpers import completion, parse_sse, wait_for
+from pdproxy_helpers import chunk, completion, parse_sse, sse, wait_for
 
 
 async def test_push_leg_shapes_and_probe(engines, proxy):
@@ -126,7 +126,7 @@ async def test_push_identity_refreshed_after_restart(engines, proxy):
         return d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"]
 
     assert await engine_id_of_next_d_leg() == "engine-a"
-    p.engine_id = "engine-b"  # the engine restarted with a new identity
+    p.restart("engine-b")  # the engine restarted with a new identity
     probes = len(p.probes())
     await wait_for(lambda: len(p.probes()) >= probes + 2)  # background rounds re-probe
     assert await engine_id_of_next_d_leg() == "engine-b"
@@ -142,7 +142,8 @@ async def test_push_reprobe_after_prefill_failure(engines, proxy):
     assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
     probes = len(p.probes())
 
-    p.engine_id, p.fail_status = "engine-b", 503  # restarted, first leg fails
+    p.restart("engine-b")
+    p.fail_status = 503  # restarted, first leg fails
     d.delay = 1.0  # D waits for a KV push that never comes
     resp = await client.post("/v1/completions", json={"prompt": "a"})
     assert resp.status == 503
@@ -169,3 +170,99 @@ async def test_push_rejects_engine_without_push_support(engines, proxy, reported
     resp = await client.get("/health")
     assert resp.status == 503
     assert "transfer_mode" in (await resp.json())["prefill"][0]["identity_error"]
+
+
+async def _stale_identity_setup(engines, proxy):
+    """P probed as engine-a, then restarted as engine-b; no health round in between."""
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push", health_interval=60)
+    assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
+    p.restart("engine-b")
+    return p, d, client
+
+
+async def test_push_answer_from_restarted_prefill_fails_and_refreshes_identity(engines, proxy):
+    p, d, client = await _stale_identity_setup(engines, proxy)
+    probes = len(p.probes())
+
+    async def decode_waits_for_kv(engine, request, body):
+        await asyncio.sleep(10)  # the KV never comes: D was told the old engine id
+        return web.Response()
+
+    d.override = decode_waits_for_kv
+    resp = await asyncio.wait_for(
+        client.post("/v1/completions", json={"prompt": "a", "stream": True}), 5
+    )
+    assert resp.status == 502
+    message = (await resp.json())["error"]["message"]
+    assert "identity changed" in message and "engine-a" in message and "engine-b" in message
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
+    await wait_for(lambda: d.cancelled.is_set())  # the doomed D leg is aborted
+    assert len(p.legs()) == 2  # not retried
+
+    # The very next request uses P's new identity, taken from P's answer.
+    d.override = None
+    resp = await client.post("/v1/completions", json={"prompt": "a"})
+    assert resp.status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+    assert len(p.probes()) == probes  # no probe needed
+    health = await (await client.get("/health")).json()
+    assert health["prefill"][0]["identity"]["remote_engine_id"] == "engine-b"
+
+
+async def test_push_identity_mismatch_after_decode_output_refreshes_only(engines, proxy):
+    # D already streams (e.g. it recomputed the prompt): the client keeps its
+    # answer, and the identity is still refreshed from P's late answer.
+    p, d, client = await _stale_identity_setup(engines, proxy)
+    from vllm_pd_proxy.app import PREFILL
+
+    backend = client.server.app[PREFILL].backends[0]
+    first_sent = asyncio.Event()
+
+    async def prefill_answers_late(engine, request, body):
+        await asyncio.wait_for(first_sent.wait(), 2)
+        answer = completion(request.path, body, "x")
+        return web.json_response({**answer, "kv_transfer_params": engine.kv_params})
+
+    async def decode_streams_across_p_answer(engine, request, body):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse(chunk(request.path, "first")))
+        first_sent.set()
+        # Ends only once the proxy has taken P's new identity from its answer.
+        await wait_for(lambda: backend.identity.engine_id == "engine-b", 2)
+        await out.write(sse(chunk(request.path, "second")))
+        await out.write(b"data: [DONE]\n\n")
+        return out
+
+    p.override, d.override = prefill_answers_late, decode_streams_across_p_answer
+    resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    assert resp.status == 200
+    events = parse_sse(await asyncio.wait_for(resp.read(), 5))
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["first", "second"]
+    assert events[-1] == "[DONE]"
+    p.override = d.override = None
+    assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+
+
+async def test_push_decode_failure_while_prefill_runs_reprobes_prefill(engines, proxy):
+    # A restarted P refuses D's registration at once, so D fails before P's
+    # answer (which would name the new identity) arrives and is cancelled.
+    p, d, client = await _stale_identity_setup(engines, proxy)
+    probes = len(p.probes())
+
+    async def prefill_still_running(engine, request, body):
+        await asyncio.sleep(10)
+        return web.Response()
+
+    p.override, d.fail_status = prefill_still_running, 500
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "a"}), 5)
+    assert resp.status == 500
+    await wait_for(lambda: p.cancelled.is_set())
+    await wait_for(lambda: len(p.probes()) > probes)  # not waiting 60 s for a round
+    p.override, d.fail_status = None, None
+    assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"

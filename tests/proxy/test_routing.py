@@ -44,12 +44,12 @@ async def test_round_robin_alternates(engines, proxy):
     ps = [await engines("prefill"), await engines("prefill")]
     ds = [await engines("decode"), await engines("decode")]
     client = await proxy(ps, ds, routing="round-robin")
-    for i in range(4):
-        resp = await client.post("/v1/completions", json={"prompt": "a", "n": i})
+    for i in range(4):  # "seed" only marks which request each leg belongs to
+        resp = await client.post("/v1/completions", json={"prompt": "a", "seed": i})
         assert resp.status == 200
     for engines_ in (ps, ds):
-        assert [s.body["n"] for s in engines_[0].legs()] == [0, 2]
-        assert [s.body["n"] for s in engines_[1].legs()] == [1, 3]
+        assert [s.body["seed"] for s in engines_[0].legs()] == [0, 2]
+        assert [s.body["seed"] for s in engines_[1].legs()] == [1, 3]
 
 
 async def test_least_loaded_prefers_idle_decode(engines, proxy):

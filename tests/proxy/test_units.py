@@ -1,13 +1,19 @@
-"""Pure pieces: config validation, token estimates, prefix LRU, SSE splitting, legs."""
+"""Pure pieces: config validation, token estimates, prefix LRU, SSE splitting, legs,
+body budget, request-id sanitizing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from vllm_pd_proxy.backends import PrefillIdentity
+from vllm_pd_proxy.body import BodyBudget
 from vllm_pd_proxy.config import ConfigError, ProxyConfig, normalize_url
+from vllm_pd_proxy.context import log_safe, sanitize_request_id
+from vllm_pd_proxy.errors import ProxyError
 from vllm_pd_proxy.legs import decode_body, prefill_body, push_decode_params
 from vllm_pd_proxy.prompt import PrefixLRU, estimate_tokens, prefix_key
-from vllm_pd_proxy.relay import split_events
+from vllm_pd_proxy.relay import OversizedEvent, read_events, split_events
 
 
 def test_config_validation():
@@ -21,6 +27,13 @@ def test_config_validation():
         ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefix_aware_len=10),
         ProxyConfig(prefill=("ftp://a:1",), decode=("http://b:1",)),
         ProxyConfig(prefill=("http://a:1/v1",), decode=("http://b:1",)),
+        ProxyConfig(
+            prefill=("http://a:1",),
+            decode=("http://b:1",),
+            max_request_bytes=4096,
+            max_total_body_bytes=4095,
+        ),
+        ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), max_sse_event_bytes=10),
     ]
     for config in bad:
         with pytest.raises(ConfigError):
@@ -82,3 +95,75 @@ def test_leg_builders_do_not_mutate_the_client_body():
     ident = PrefillIdentity("e", "h", 1, 4, "push", 0.0)
     params = push_decode_params(ident, "rid")
     assert params["tp_size"] == 4 and params["remote_request_id"] == "rid"
+
+
+def test_backend_api_key_is_not_in_repr():
+    cfg = ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), backend_api_key="k-123")
+    assert "k-123" not in repr(cfg.validated())
+    assert cfg.validated().backend_api_key == "k-123"
+    assert (
+        ProxyConfig(prefill=("a:1",), decode=("b:1",), backend_api_key="")
+        .validated()
+        .backend_api_key
+        is None
+    )
+
+
+def test_body_budget_reservations():
+    budget = BodyBudget(100)
+    a, b = budget.reservation(), budget.reservation()
+    a.grow_to(60)
+    a.grow_to(40)  # never shrinks while the request lives
+    assert budget.used == 60
+    with pytest.raises(ProxyError) as exc:
+        b.grow_to(41)
+    assert exc.value.status == 503 and "--max-total-body-bytes 100" in exc.value.message
+    assert budget.used == 60 and b.size == 0
+    b.grow_to(40)
+    a.release()
+    a.release()  # idempotent
+    assert budget.used == 40
+    b.release()
+    assert budget.used == 0
+
+
+def test_sanitize_request_id():
+    assert sanitize_request_id(None) is None and sanitize_request_id("") is None
+    assert sanitize_request_id("abc-123_x.y:z/w+v@u~") == "abc-123_x.y:z/w+v@u~"
+    assert sanitize_request_id('a\nb\rc\x1bd\x00e f=g"h') == "a_b_c_d_e_f_g_h"
+    assert sanitize_request_id("\u00e9\udce9") == "__"
+    assert sanitize_request_id("x" * 1000) == "x" * 128
+    assert json.loads(log_safe('a"\n\x1b\udce9')) == 'a"\n\x1b\udce9'
+    assert "\n" not in log_safe("a\nb") and log_safe("a\nb").startswith('"')
+
+
+class _Chunks:
+    """Stands in for an aiohttp response: ``content.readany()`` yields ``chunks``."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.content = self
+        self._chunks = list(chunks)
+
+    async def readany(self) -> bytes:
+        return self._chunks.pop(0) if self._chunks else b""
+
+
+async def test_read_events_boundaries_across_chunks():
+    resp = _Chunks(b"data: 1\n", b"\ndata: 2")
+    assert await read_events(resp, b"", 1024) == (b"data: 1\n\n", b"data: 2", False)
+    resp = _Chunks(b"\r\n", b"\r", b"\ndata: 3\n\n")
+    assert await read_events(resp, b"data: 2", 1024) == (
+        b"data: 2\r\n\r\ndata: 3\n\n",
+        b"",
+        False,
+    )
+    resp = _Chunks(b"data: 1\n\nda", b"ta: 2\n\n")
+    assert await read_events(resp, b"", 1024) == (b"data: 1\n\n", b"da", False)
+    assert await read_events(_Chunks(), b"tail", 1024) == (b"tail", b"", True)
+
+
+async def test_read_events_caps_the_partial_event():
+    resp = _Chunks(*([b"x" * 400] * 10))
+    with pytest.raises(OversizedEvent, match="limit --max-sse-event-bytes 1024"):
+        await read_events(resp, b"", 1024)
+    assert len(resp._chunks) == 7  # stopped at the first read past the cap

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import socket
 import time
 
 import pytest
@@ -22,7 +23,11 @@ import nixl_peer
 
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.coalesce import build_descriptors
+from vllm_pd_ext.lease_service import LeaseService
+from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.protocol import Region
+from vllm_pd_ext.pusher import Pusher
+from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport import TransportError, XferState
 from vllm_pd_ext.transport.nixl import NixlTransport
 
@@ -33,6 +38,17 @@ NUM_BLOCKS = 16
 LAYERS = 2
 NBYTES = BLOCK * NUM_BLOCKS * LAYERS
 SRC, DST = [5, 6, 7], [1, 2, 9]
+
+
+COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
+                          block_size=16, kv_layout="NHD", num_layers=LAYERS, num_kv_heads=1,
+                          head_size=8, tp_size=1, transfer_mode="push")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def regions(addr: int) -> list[Region]:
@@ -147,3 +163,109 @@ def test_write_to_unregistered_range_fails(target, pusher):
     assert notifs == [b"pdx:good"]
     assert snapshot == expected_target(pusher.addr, target.addr, good)
     assert target.notifs(timeout=0.5)[0] == []
+
+
+# ------------------------------------------------ P's Pusher over real NIXL
+class InProcessD:
+    """A D worker's NIXL agent in this process: a zeroed buffer, a pump."""
+
+    def __init__(self, name: str) -> None:
+        self.buf = (ctypes.c_uint8 * NBYTES)()
+        self.addr = ctypes.addressof(self.buf)
+        self.t = NixlTransport(name, ["UCX"], progress_thread=False)
+        self.t.register([(self.addr, NBYTES)], "DRAM", 0)
+        self.t.start_progress_pump(0.001)
+
+    def agent(self, name: str | None = None, metadata: bytes | None = None) -> proto.AgentInfo:
+        return proto.AgentInfo(tp_rank=0, agent_name=name or self.t.agent_name,
+                               agent_metadata=metadata or self.t.metadata(), mem_type="DRAM",
+                               regions=regions(self.addr))
+
+    def block(self, b: int) -> bytes:
+        return ctypes.string_at(self.addr + b * BLOCK, BLOCK)
+
+
+def test_pusher_keeps_the_real_agent_and_reaps_departed_ones(pusher):
+    """Over real NIXL: another agent created under a cached D agent's name
+    fails only its orders, whether they claim that name or a new one (NIXL
+    reads the name from the metadata, and refuses to load a second agent
+    under a loaded name); the real agent is neither evicted nor reloaded and
+    keeps receiving. Every D agent that went away is then removed from P's
+    NIXL agent after the idle TTL."""
+    import zmq
+
+    leases = LeaseService(LeaseTable(60.0, time.monotonic))
+    port = free_port()
+    srv = SideChannelServer("127.0.0.1", port, "eng-p", COMPAT, {}, leases)
+    push = Pusher("eng-p", 0, pusher, regions(pusher.addr), ("127.0.0.1", port),
+                  transfer_timeout_s=20.0, notify_timeout_s=5.0, peer_idle_ttl_s=1.0)
+    ctx = zmq.Context()
+    orders = ctx.socket(zmq.PUSH)
+    orders.connect(push.endpoint)
+    tag = f"{os.getpid()}x{time.monotonic_ns()}"
+    n = [0]
+
+    def order(engine: str, agent: proto.AgentInfo) -> str:
+        n[0] += 1
+        pd_id = f"pd-{n[0]}"
+        leases.grant(pd_id, 1)
+        leases.hold(pd_id)
+        orders.send(proto.encode_order(proto.WriteOrder(
+            pd_request_id=pd_id, request_id="p", d_engine_id=engine, d_request_id="d",
+            notify_host="127.0.0.1", notify_port=1, agent=agent, src_block_ids=SRC,
+            dst_block_ids=DST, post_before=time.monotonic() + 30)))
+        return pd_id
+
+    def settled(pd_id: str):
+        """The lease once this rank released it (ok or not)."""
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            with leases.lock:
+                lease = leases.table.get(pd_id)
+            if lease.state is LeaseState.RELEASED:
+                return lease
+            time.sleep(0.01)
+        raise AssertionError(f"{pd_id} was never released")
+
+    loads: list[bytes] = []
+    load = pusher.add_peer
+    pusher.add_peer = lambda md: loads.append(md) or load(md)  # count P's loads
+    ds: list[InProcessD] = []
+    try:
+        real = InProcessD(f"eng-d0-tp0-{tag}")
+        ds.append(real)
+        assert settled(order("eng-d0", real.agent())).release_ok
+        assert real.block(9) == nixl_peer.pattern(NBYTES)[7 * BLOCK:8 * BLOCK]
+        # Another agent that NIXL knows under the real one's name.
+        evil = InProcessD(real.t.agent_name)
+        ds.append(evil)
+        for agent in (evil.agent(),                              # the cached name
+                      evil.agent(name=f"eng-d0-tp0-other{tag}")):  # a new name
+            lease = settled(order("eng-d0", agent))
+            assert not lease.release_ok
+        assert push.num_peers == 1
+        ctypes.memset(real.addr, 0, NBYTES)
+        assert settled(order("eng-d0", real.agent())).release_ok
+        assert real.block(9) == nixl_peer.pattern(NBYTES)[7 * BLOCK:8 * BLOCK]
+        assert not any(evil.buf)
+        assert loads.count(real.t.metadata()) == 1  # never evicted, never reloaded
+        # More D peers come, receive a WRITE each, and go.
+        for i in range(1, 4):
+            d = InProcessD(f"eng-d{i}-tp0-{tag}")
+            ds.append(d)
+            assert settled(order(f"eng-d{i}", d.agent())).release_ok
+        names = [d.t.agent_name for d in ds]
+        for d in ds:
+            d.t.close()
+        deadline = time.monotonic() + 10.0
+        while push.num_peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert push.num_peers == 0
+        assert not any(pusher._agent.check_remote_metadata(name) for name in names)
+    finally:
+        orders.close(linger=0)
+        ctx.term()
+        push.close()
+        srv.close()
+        for d in ds:
+            d.t.close()

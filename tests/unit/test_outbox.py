@@ -1,7 +1,13 @@
-"""The outbox: ordered per peer, independent across peers, over real sockets."""
+"""The outbox: ordered per peer, independent across peers, over real sockets.
+
+Lanes retire when idle; tests/unit/test_reaping.py checks that nothing of
+theirs stays after their peers left.
+"""
 
 from __future__ import annotations
 
+import errno
+import random
 import threading
 import time
 
@@ -10,7 +16,7 @@ from pdunit_utils import free_port, wait_for
 
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.outbox import Outbox
-from vllm_pd_ext.side_channel import SideChannelError, SideChannelServer
+from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
@@ -115,3 +121,102 @@ def test_lane_survives_an_unexpected_exception(monkeypatch) -> None:
     finally:
         box.close()
         srv.close()
+
+
+def test_a_send_after_the_lane_retired_makes_a_new_one():
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    box = Outbox(timeout_s=2.0, idle_ttl_s=0.1)
+    replies: list[object] = []
+    try:
+        box.send(HOST, port, abort("a"), replies.append)
+        assert wait_for(lambda: box.num_lanes == 0)
+        box.send(HOST, port, abort("b"), replies.append)
+        assert wait_for(lambda: len(replies) == 2)
+        assert rec.seen == ["a", "b"]
+    finally:
+        box.close()
+        srv.close()
+
+
+def test_no_message_is_lost_or_reordered_across_retirements():
+    """Bursts that arrive around the moment their lane retires (a 2 ms
+    idle TTL) race each send against the lane's decision to end: every
+    message still arrives exactly once, in order."""
+    ttl = 0.002
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    box = Outbox(timeout_s=2.0, idle_ttl_s=ttl)
+    replies: list[str] = []
+    lanes: set[threading.Thread] = set()  # kept alive: no identity is reused
+    sent: list[str] = []
+    rng = random.Random(7)
+
+    def record(pd_id: str) -> None:
+        lanes.add(threading.current_thread())
+        replies.append(pd_id)
+
+    try:
+        for burst in range(60):
+            for j in range(rng.randint(1, 5)):
+                pd_id = f"id-{burst}-{j}"
+                sent.append(pd_id)
+                box.send(HOST, port, abort(pd_id), lambda _r, i=pd_id: record(i))
+            n = len(sent)
+            assert wait_for(lambda n=n: len(replies) == n)
+            time.sleep(rng.uniform(0.5, 2.0) * ttl)  # the lane idles: about to retire
+        assert replies == sent and rec.seen == sent
+        assert len(lanes) >= 5  # lanes did retire and were replaced meanwhile
+    finally:
+        box.close()
+        srv.close()
+
+
+def test_lane_survives_a_client_that_cannot_be_created(monkeypatch):
+    """Creating the lane's client fails (say, out of descriptors): that
+    message fails, the lane lives on and sends the next one."""
+    port, rec = free_port(), Recorder()
+    srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)
+    real = SideChannelClient.__init__
+    calls = []
+
+    def flaky(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise zmq.ZMQError(errno.EMFILE)
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(SideChannelClient, "__init__", flaky)
+    box = Outbox(timeout_s=2.0)
+    replies: list[object] = []
+    try:
+        box.send(HOST, port, abort("first"), replies.append)
+        box.send(HOST, port, abort("second"), replies.append)
+        assert wait_for(lambda: len(replies) == 2)
+        assert isinstance(replies[0], SideChannelError)
+        assert replies[1] == proto.PushAbortStatus("unknown") and rec.seen == ["second"]
+    finally:
+        box.close()
+        srv.close()
+
+
+def test_fail_queued_on_timeout_fails_the_rest_at_once():
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent_port = silent.bind_to_random_port(f"tcp://{HOST}")
+    box = Outbox(timeout_s=0.5, fail_queued_on_timeout=True)
+    got: list[tuple[float, object]] = []
+    try:
+        started = time.monotonic()
+        for i in range(3):
+            box.send(HOST, silent_port, abort(f"id-{i}"),
+                     lambda r: got.append((time.monotonic() - started, r)))
+        assert wait_for(lambda: len(got) == 3, timeout=3.0)
+        assert all(isinstance(r, SideChannelError) and r.code == "timeout" for _, r in got)
+        assert got[-1][0] < 0.9  # one timeout in all, not three
+        assert "earlier message failed" in str(got[1][1])
+    finally:
+        box.close()
+        silent.close()
+        ctx.term()

@@ -301,3 +301,33 @@ def test_in_range_messages_still_decode():
                                               ok=False),
                 proto.LeaseRelease(engine_id="d", request_ids=["r"] * 100, tp_rank=3)):
         assert proto.decode_request(proto.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("reply", [
+    {"type": "push_accepted", "engine_id": "eng-p", "state": "bogus"},
+    {"type": "push_abort_status", "state": "bogus"},
+    {"type": "push_abort_status", "state": "IN_FLIGHT"},  # names are not values
+    {"type": "push_abort_status", "state": 1},
+], ids=["accepted", "abort_status", "abort_status_by_name", "abort_status_int"])
+def test_unknown_push_state_is_refused_at_decode_naming_the_field(reply):
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.state"):
+        proto.decode_reply(msgspec.msgpack.encode(reply))
+
+
+@pytest.mark.parametrize(("msg", "wire"), [
+    *((proto.PushAccepted(engine_id="eng-p", state=s), s.value)
+      for s in proto.PushAcceptedState),
+    *((proto.PushAbortStatus(s), s.value) for s in proto.PushAbortState),
+], ids=str)
+def test_push_states_keep_their_wire_strings(msg, wire):
+    data = proto.encode(msg)
+    assert msgspec.msgpack.decode(data)["state"] == wire
+    decoded = proto.decode_reply(data)
+    assert decoded == msg and decoded.state is msg.state
+
+
+def test_push_state_values_are_the_wire_contract():
+    assert [s.value for s in proto.PushAcceptedState] == ["waiting", "writing"]
+    assert [s.value for s in proto.PushAbortState] == [
+        "aborted", "unknown", "done", "failed", "in_flight"]
+    assert {"aborted", "unknown", "done", "failed"} == proto.ABORT_SAFE_STATES

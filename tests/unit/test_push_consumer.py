@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import pytest
 
 from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.push_consumer import ABORT_RETRY_S, DONE_GRACE_S, PushConsumer
+from vllm_pd_ext.push_consumer import (
+    ABORT_RETRY_S,
+    DONE_GRACE_S,
+    EventKind,
+    PushConsumer,
+    PushEvent,
+    WaitState,
+)
 from vllm_pd_ext.side_channel import SideChannelError
 
 PUSH_TIMEOUT = 10.0
@@ -19,6 +26,7 @@ WRITE_TIMEOUT = 3.0
 #: After P accepted, a WRITE from P can land until this much later.
 WRITE_WINDOW = PUSH_TIMEOUT + WRITE_TIMEOUT
 EP = ("127.0.0.1", 5999)
+AbortState = proto.PushAbortState
 COMPAT = proto.CompatInfo(protocol_version=2, model="m", dtype="bfloat16", block_size=16,
                           kv_layout="LBHNC", num_layers=2, num_kv_heads=2, head_size=64,
                           tp_size=1, transfer_mode="push")
@@ -65,7 +73,8 @@ def register(c: PushConsumer, rid="d-req", pd_id="pd1") -> Sent:
 
 
 def accepted(c: PushConsumer, rid="d-req", pd_id="pd1") -> None:
-    register(c, rid, pd_id).callback(proto.PushAccepted(engine_id="eng-p", state="waiting"))
+    register(c, rid, pd_id).callback(
+        proto.PushAccepted(engine_id="eng-p", state=proto.PushAcceptedState.WAITING))
     assert c.poll() == {}
 
 
@@ -73,13 +82,13 @@ def aborts(c: PushConsumer) -> list[Sent]:
     return c._outbox.of(proto.PushAbort)
 
 
-def answer_abort(c: PushConsumer, state: str) -> None:
+def answer_abort(c: PushConsumer, state: AbortState) -> None:
     aborts(c)[-1].callback(proto.PushAbortStatus(state))
 
 
-def refused(message: str) -> SideChannelError:
+def refused(message: str, code: str = "refused") -> SideChannelError:
     """What SideChannelClient raises for P's ErrorReply."""
-    return SideChannelError(f"side channel tcp://127.0.0.1:5999 refused: {message}")
+    return SideChannelError(f"side channel tcp://127.0.0.1:5999 refused: {message}", code)
 
 
 def test_register_sends_registration(consumer):
@@ -94,12 +103,14 @@ def test_register_sends_registration(consumer):
     assert consumer.num_waiting == 1
 
 
-@pytest.mark.parametrize("message,reason", [
-    ("pd_request_id 'pd1' was already aborted", "handshake"),
-    ("incompatible peer: block_size: ours=16 theirs=32", "incompatible_peer"),
+@pytest.mark.parametrize("message,code,reason", [
+    ("pd_request_id 'pd1' was already aborted", "refused", "handshake"),
+    ("incompatible peer: block_size: ours=16 theirs=32", "incompatible", "incompatible_peer"),
+    # The reason comes from the reply's code, never from its text.
+    ("pd_request_id 'incompatible-1' was already aborted", "refused", "handshake"),
 ])
-def test_refused_registration_fails_at_once(consumer, message, reason):
-    register(consumer).callback(refused(message))
+def test_refused_registration_fails_at_once(consumer, message, code, reason):
+    register(consumer).callback(refused(message, code))
     out = consumer.poll()
     assert list(out) == ["d-req"]
     assert out["d-req"][0] == reason
@@ -118,13 +129,13 @@ def test_deadline_aborts_then_safe_state_fails(consumer, clock):
     [abort] = aborts(consumer)
     assert abort.msg.pd_request_id == "pd1" and (abort.host, abort.port) == EP
     assert consumer.poll() == {} and len(aborts(consumer)) == 1  # no reply yet: no resend
-    answer_abort(consumer, "aborted")
+    answer_abort(consumer, AbortState.ABORTED)
     out = consumer.poll()
     assert out["d-req"][0] == "timeout" and "push_timeout" in out["d-req"][1]
     assert consumer.num_waiting == 0
 
 
-@pytest.mark.parametrize("state", ["unknown", "failed"])
+@pytest.mark.parametrize("state", [AbortState.UNKNOWN, AbortState.FAILED])
 def test_deadline_other_safe_states(consumer, clock, state):
     accepted(consumer)
     clock.advance(DEADLINE)
@@ -135,11 +146,12 @@ def test_deadline_other_safe_states(consumer, clock, state):
 
 
 def test_unconfirmed_registration_still_bounded(consumer, clock):
-    register(consumer).callback(SideChannelError("side channel did not answer within 2000 ms"))
+    register(consumer).callback(SideChannelError("side channel did not answer within 2000 ms",
+                                                 "timeout"))
     assert consumer.poll() == {}  # P may have it: not failed yet
     clock.advance(DEADLINE)
     assert consumer.poll() == {} and len(aborts(consumer)) == 1
-    answer_abort(consumer, "unknown")
+    answer_abort(consumer, AbortState.UNKNOWN)
     assert list(consumer.poll()) == ["d-req"]
 
 
@@ -147,17 +159,17 @@ def test_in_flight_waits_and_resends(consumer, clock):
     accepted(consumer)
     assert consumer.abandon("d-req", "pd1", EP, "client went away") is True
     assert len(aborts(consumer)) == 1
-    answer_abort(consumer, "in_flight")
+    answer_abort(consumer, AbortState.IN_FLIGHT)
     assert consumer.poll() == {}
     clock.advance(ABORT_RETRY_S - 0.01)
     assert consumer.poll() == {} and len(aborts(consumer)) == 1
     clock.advance(0.01)
     assert consumer.poll() == {} and len(aborts(consumer)) == 2
-    answer_abort(consumer, "in_flight")
+    answer_abort(consumer, AbortState.IN_FLIGHT)
     assert consumer.poll() == {}  # the retry is timed from when D learns the answer
     clock.advance(ABORT_RETRY_S)
     assert consumer.poll() == {} and len(aborts(consumer)) == 3
-    answer_abort(consumer, "done")  # the request ended: its blocks can go now
+    answer_abort(consumer, AbortState.DONE)  # the request ended: its blocks can go now
     out = consumer.poll()
     # Not a load failure: the report only gives the ended request's blocks back.
     assert out == {"d-req": ("aborted", "client went away")}
@@ -168,7 +180,7 @@ def test_done_for_live_request_grants_grace(consumer, clock):
     accepted(consumer)
     clock.advance(DEADLINE)
     consumer.poll()
-    answer_abort(consumer, "done")
+    answer_abort(consumer, AbortState.DONE)
     assert consumer.poll() == {}  # the notification follows the data
     clock.advance(DONE_GRACE_S - 0.01)
     assert consumer.poll() == {} and len(aborts(consumer)) == 1
@@ -182,7 +194,7 @@ def test_done_then_notification_is_not_failed(consumer, clock):
     accepted(consumer)
     clock.advance(DEADLINE)
     consumer.poll()
-    answer_abort(consumer, "done")
+    answer_abort(consumer, AbortState.DONE)
     consumer.poll()
     consumer.finished("d-req")  # the worker saw the notification
     clock.advance(DONE_GRACE_S * 5)
@@ -193,13 +205,13 @@ def test_abort_error_before_window_closes_keeps_blocks(consumer, clock):
     accepted(consumer)  # the WRITE window: until WRITE_WINDOW from now
     clock.advance(1.0)
     consumer.abandon("d-req", "pd1", EP, "client went away")
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     assert consumer.poll() == {}
     # Keeps asking until P answers or the WRITE window closes.
     clock.advance(ABORT_RETRY_S)
     assert consumer.poll() == {} and len(aborts(consumer)) == 2
     clock.advance(WRITE_WINDOW - 1.0 - ABORT_RETRY_S - 0.01)
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     assert consumer.poll() == {}
     assert consumer.num_waiting == 1
 
@@ -209,7 +221,7 @@ def test_abort_error_after_window_closes_releases(consumer, clock):
     clock.advance(1.0)
     consumer.abandon("d-req", "pd1", EP, "client went away")
     clock.advance(WRITE_WINDOW - 1.0)
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     out = consumer.poll()
     assert out["d-req"][0] == "aborted"
     assert "unreachable" in out["d-req"][1] and "client went away" in out["d-req"][1]
@@ -219,12 +231,12 @@ def test_deadline_with_unreachable_p_releases_when_write_window_closes(consumer,
     accepted(consumer)
     clock.advance(DEADLINE)  # give up waiting: abort
     consumer.poll()
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     assert consumer.poll() == {}  # a WRITE posted before P's window closed may still land
     clock.advance(WRITE_WINDOW - DEADLINE)
     consumer.poll()  # asks again
     assert len(aborts(consumer)) == 2
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     out = consumer.poll()
     assert out["d-req"][0] == "handshake" and "unreachable" in out["d-req"][1]
 
@@ -236,7 +248,7 @@ def test_unsent_registration_keeps_window_open(consumer, clock):
     register(consumer)  # no reply yet
     consumer.abandon("d-req", "pd1", EP, "client went away")
     clock.advance(DEADLINE * 10)
-    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms"))
+    aborts(consumer)[-1].callback(SideChannelError("did not answer within 2000 ms", "timeout"))
     assert consumer.poll() == {} and consumer.num_waiting == 1
 
 
@@ -288,7 +300,7 @@ def test_abandon_registered_reported_once_p_is_safe(consumer, clock):
     assert consumer.poll() == {}  # no answer yet: blocks stay allocated
     clock.advance(DEADLINE * 2)  # no second abort while the first is unanswered
     assert consumer.poll() == {} and len(aborts(consumer)) == 1
-    answer_abort(consumer, "aborted")
+    answer_abort(consumer, AbortState.ABORTED)
     assert consumer.poll() == {"d-req": ("aborted", "client went away")}
     assert consumer.poll() == {}  # reported exactly once
 
@@ -299,3 +311,31 @@ def test_close_closes_outbox(clock):
     c._outbox = FakeOutbox()
     c.close()
     assert c._outbox.closed
+
+
+def test_replies_become_typed_events_and_states(consumer, clock):
+    """Replies reach ``poll`` as ``PushEvent`` records; the wait's state is a
+    ``WaitState`` through REGISTERING -> REGISTERED -> ABORTING -> IN_FLIGHT."""
+    sent = register(consumer)
+    wait = consumer._waits["d-req"]
+    assert wait.state is WaitState.REGISTERING
+    sent.callback(proto.PushAccepted(engine_id="eng-p", state=proto.PushAcceptedState.WRITING))
+    assert consumer._events == [PushEvent("d-req", EventKind.ACCEPTED, "writing")]
+    consumer.poll()
+    assert wait.state is WaitState.REGISTERED
+    consumer.abandon("d-req", "pd1", EP, "client went away")
+    assert wait.state is WaitState.ABORTING
+    answer_abort(consumer, AbortState.IN_FLIGHT)
+    assert consumer._events == [PushEvent("d-req", EventKind.ABORT_STATUS,
+                                          abort_state=AbortState.IN_FLIGHT)]
+    consumer.poll()
+    assert wait.state is WaitState.IN_FLIGHT
+
+
+def test_abort_status_decoded_from_the_wire(consumer):
+    """What the side channel hands over: the wire string decoded into the enum."""
+    accepted(consumer)
+    consumer.abandon("d-req", "pd1", EP, "client went away")
+    wire = proto.encode(proto.PushAbortStatus(AbortState.ABORTED))
+    aborts(consumer)[-1].callback(proto.decode_reply(wire))
+    assert consumer.poll() == {"d-req": ("aborted", "client went away")}

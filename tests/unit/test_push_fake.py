@@ -21,11 +21,12 @@ import zmq
 from pdunit_utils import free_port, wait_for
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PushRecvSpec
 from vllm_pd_ext.push_receiver import PushReceiver
 from vllm_pd_ext.pusher import Pusher
-from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 
@@ -35,6 +36,8 @@ NUM_BLOCKS = 12
 LAYERS = 2
 NBYTES = BLOCK * NUM_BLOCKS * LAYERS
 SRC, DST = [5, 6, 7], [1, 2, 9]
+#: D's agent, named as PDWorker names agents (``<engine id>-tp<rank>-<random>``).
+D_AGENT = "eng-d-tp0-d1"
 COMPAT = proto.CompatInfo(protocol_version=2, model="m", dtype="bfloat16", block_size=16,
                           kv_layout="LBHNC", num_layers=LAYERS, num_kv_heads=2, head_size=64,
                           tp_size=1, transfer_mode="push")
@@ -46,12 +49,19 @@ def regions(addr: int) -> list[proto.Region]:
 
 
 class GatedTransport(FakeTransport):
-    """A FakeTransport whose WRITEs stay PROC until ``gate`` is set."""
+    """A FakeTransport whose WRITEs stay PROC until ``gate`` is set; it
+    records every peer it loads (``adds``)."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.gate = threading.Event()
         self.gate.set()
+        self.adds: list[str] = []
+
+    def add_peer(self, metadata):
+        name = super().add_peer(metadata)
+        self.adds.append(name)
+        return name
 
     def poll(self, handle):
         if not self.gate.is_set():
@@ -85,7 +95,7 @@ class Rig:
         self.d_addr = self.d_buf.ctypes.data
         self.p_t = GatedTransport("p-agent", self.fabric)
         self.p_t.register([(self.p_addr, NBYTES)], "DRAM", 0)
-        self.d_t = FakeTransport("d-agent", self.fabric)
+        self.d_t = FakeTransport(D_AGENT, self.fabric)
         self.d_t.register([(self.d_addr, NBYTES)], "DRAM", 0)
         self.receiver = PushReceiver(self.d_t)
         self.log: list = []
@@ -105,13 +115,12 @@ class Rig:
         self.orders.connect(self.pusher.endpoint)
 
     def agent(self, d_regions=None) -> proto.AgentInfo:
-        return proto.AgentInfo(tp_rank=0, agent_name="d-agent", agent_metadata=b"d-agent",
+        return proto.AgentInfo(tp_rank=0, agent_name=D_AGENT, agent_metadata=D_AGENT.encode(),
                                mem_type="DRAM", regions=d_regions or regions(self.d_addr))
 
     def order(self, pd_id="pd1", post_in=30.0, **kw) -> proto.WriteOrder:
-        with self.leases.lock:
-            self.leases.table.grant(pd_id)
-            self.leases.table.hold(pd_id)
+        self.leases.grant(pd_id, 1)
+        self.leases.hold(pd_id)
         fields = dict(pd_request_id=pd_id, request_id="p-req", d_engine_id="eng-d",
                       d_request_id="d-req", notify_host=HOST, notify_port=self.d_port,
                       agent=self.agent(), src_block_ids=SRC, dst_block_ids=DST,
@@ -221,7 +230,7 @@ def test_failed_post_reports_and_releases(rig):
     assert_failed(rig, "pd1", "could not be posted")
     rig.assert_untouched()
     assert rig.receiver.collect(time.monotonic()) == []
-    assert "d-agent" not in rig.p_t.peers  # a failed peer is dropped
+    assert D_AGENT not in rig.p_t.peers  # a failed peer is dropped
     # The next order re-adds the peer and goes through.
     rig.p_t.fail_post = False
     rig.order("pd2")
@@ -272,6 +281,132 @@ def test_region_layout_mismatch(rig, bad):
 
 def test_malformed_order_dropped_thread_survives(rig):
     rig.orders.send(b"\x00garbage")
+    rig.order()
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    assert rig.messages(proto.LeaseRelease)[0].ok is True
+
+
+def releases(rig: Rig, pd_id: str) -> list[proto.LeaseRelease]:
+    return [m for m in rig.messages(proto.LeaseRelease) if m.request_ids == [pd_id]]
+
+
+def test_failed_write_keeps_an_agent_other_writes_use_until_they_end(rig):
+    """A failed post marks the agent failed; it is removed only once the
+    other WRITE to it ended, never under it."""
+    rig.p_t.gate.clear()
+    rig.order("pd1")
+    assert wait_for(lambda: rig.pusher.num_in_flight == 1)
+    rig.p_t.fail_post = True
+    rig.order("pd2")
+    assert wait_for(lambda: releases(rig, "pd2"))
+    assert D_AGENT in rig.p_t.peers  # pd1's WRITE still uses it
+    rig.p_t.fail_post = False
+    rig.p_t.gate.set()
+    assert wait_for(lambda: releases(rig, "pd1"))
+    assert releases(rig, "pd1")[0].ok is True
+    assert wait_for(lambda: D_AGENT not in rig.p_t.peers)
+    assert rig.pusher.num_peers == 0
+
+
+# --------------------------------------------------- D agents: cache poisoning
+EVIL = "eng-x-tp0-evil"  # another engine's agent, with its own memory
+
+
+@pytest.mark.parametrize("claim", [
+    "real-name-other-metadata",
+    "other-name-real-metadata",
+    "other-name-other-metadata",
+    "other-engines-agent",
+    "real-name-other-layout",
+])
+def test_an_order_whose_agent_is_not_what_it_claims_fails_alone(rig, claim):
+    """An order naming the real D's engine but another agent (or the real
+    agent's name with another's metadata) fails only itself: the real
+    agent stays loaded, and later WRITEs for the real D reach it."""
+    rig.order("pd1")
+    assert wait_for(lambda: releases(rig, "pd1"))
+    assert releases(rig, "pd1")[0].ok is True and rig.p_t.adds == [D_AGENT]
+    evil_buf = np.zeros(NBYTES, dtype=np.uint8)
+    evil_t = FakeTransport(EVIL, rig.fabric)
+    evil_t.register([(evil_buf.ctypes.data, NBYTES)], "DRAM", 0)
+    real_regions, evil_regions = regions(rig.d_addr), regions(evil_buf.ctypes.data)
+    half = [proto.Region(r.base_addr, BLOCK, BLOCK // 2, NUM_BLOCKS) for r in real_regions]
+    name, metadata, d_regions, want = {
+        "real-name-other-metadata": (D_AGENT, EVIL.encode(), evil_regions,
+                                     f"names D agent '{D_AGENT}' with other metadata"),
+        "other-name-real-metadata": ("eng-d-tp0-other", D_AGENT.encode(), real_regions,
+                                     f"names D agent 'eng-d-tp0-other' but its NIXL metadata "
+                                     f"is agent '{D_AGENT}'"),
+        "other-name-other-metadata": ("eng-d-tp0-other", EVIL.encode(), evil_regions,
+                                      f"names D agent 'eng-d-tp0-other' but its NIXL metadata "
+                                      f"is agent '{EVIL}'"),
+        "other-engines-agent": (EVIL, EVIL.encode(), evil_regions,
+                                f"D agent '{EVIL}' is not engine eng-d's"),
+        "real-name-other-layout": (D_AGENT, D_AGENT.encode(), half,
+                                   f"names D agent '{D_AGENT}' with other metadata"),
+    }[claim]
+    bad = proto.AgentInfo(tp_rank=0, agent_name=name, agent_metadata=metadata,
+                          mem_type="DRAM", regions=d_regions)
+    rig.order("pd2", agent=bad)
+    assert wait_for(lambda: releases(rig, "pd2"))
+    [failed] = releases(rig, "pd2")
+    assert failed.ok is False and want in failed.reason, failed.reason
+    # The real agent was neither evicted nor replaced; nothing else stays loaded.
+    assert rig.p_t.peers == {D_AGENT} and rig.pusher.num_peers == 1
+    assert rig.p_t.adds.count(D_AGENT) == 1
+    rig.d_buf[:] = 0
+    rig.order("pd3")
+    assert wait_for(lambda: releases(rig, "pd3"))
+    assert releases(rig, "pd3")[0].ok is True
+    assert rig.d_block(0, 9) == rig.p_block(0, 7) and rig.d_block(1, 1) == rig.p_block(1, 5)
+    assert rig.p_t.adds.count(D_AGENT) == 1  # the cached agent, not a reload
+    assert not evil_buf.any() and evil_t.take_notifs() == []
+
+
+# ------------------------------------------------- the push thread outlives bugs
+def test_a_stats_callback_bug_still_releases_the_lease(rig):
+    def boom(*_):
+        raise RuntimeError("injected")
+
+    rig.pusher._on_write = boom
+    rig.order()
+    assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+    assert rig.messages(proto.LeaseRelease)[0].ok is True
+
+
+def test_a_poll_that_raises_fails_only_its_write(rig, monkeypatch):
+    real = rig.p_t.poll
+    calls: list[int] = []
+
+    def flaky(handle):
+        calls.append(handle)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(handle)
+
+    monkeypatch.setattr(rig.p_t, "poll", flaky)
+    rig.order("pd1")
+    assert wait_for(lambda: releases(rig, "pd1"))
+    [failed] = releases(rig, "pd1")
+    assert failed.ok is False and "NIXL reported an error" in failed.reason
+    rig.order("pd2")
+    assert wait_for(lambda: releases(rig, "pd2"))
+    assert releases(rig, "pd2")[0].ok is True
+    assert rig.pusher.num_in_flight == 0
+
+
+def test_push_thread_survives_an_error_outside_any_order(rig, monkeypatch):
+    real = proto.decode_order
+    calls: list[bytes] = []
+
+    def flaky(data):
+        calls.append(data)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(data)
+
+    monkeypatch.setattr(proto, "decode_order", flaky)
+    rig.orders.send(b"whatever")
     rig.order()
     assert wait_for(lambda: rig.messages(proto.LeaseRelease))
     assert rig.messages(proto.LeaseRelease)[0].ok is True

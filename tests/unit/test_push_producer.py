@@ -3,15 +3,18 @@ can still write (TP > 1), and at once when nothing was ordered."""
 
 from __future__ import annotations
 
+import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.push_producer import PushProducer
-from vllm_pd_ext.side_channel import LeaseService
+from vllm_pd_ext.pushbook import PushState
 
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
                           block_size=16, kv_layout="NHD", num_layers=2, num_kv_heads=1,
@@ -68,8 +71,7 @@ def rig():
 def start_write(prod: PushProducer, leases: LeaseService, pulls, num_tokens: int = 40) -> None:
     prod.bind_workers({r: f"tcp://127.0.0.1:{port}" for r, (_, port) in enumerate(pulls)})
     assert isinstance(prod.handle(registration(num_tokens=num_tokens)), proto.PushAccepted)
-    with leases.lock:
-        leases.table.grant("pd1", num_consumers=2)
+    leases.grant("pd1", num_consumers=2)
     prod.prefill_done("pd1", "p-req", [10, 11, 12], 40)
 
 
@@ -98,12 +100,12 @@ def test_failed_rank_is_reported_only_after_every_rank_settled(rig):
     release(prod, 0, ok=False, reason="NIXL reported an error for the WRITE")
     # Rank 1 may still be writing into D's blocks: D must not hear yet.
     assert prod._outbox.results() == []
-    assert prod.book.state("pd1") == "writing"
+    assert prod.book.state("pd1") is PushState.WRITING
     release(prod, 1, ok=True)
     [result] = prod._outbox.results()
     assert result.pd_request_id == "pd1" and result.ok is False
     assert result.detail == "NIXL reported an error for the WRITE"
-    assert prod.book.state("pd1") == "failed"
+    assert prod.book.state("pd1") is PushState.FAILED
     assert leases.table.get("pd1").state is LeaseState.RELEASED
 
 
@@ -112,7 +114,7 @@ def test_successful_write_sends_nothing_to_d(rig):
     start_write(prod, leases, pulls)
     release(prod, 0, ok=True)
     release(prod, 1, ok=True)
-    assert prod._outbox.results() == [] and prod.book.state("pd1") == "done"
+    assert prod._outbox.results() == [] and prod.book.state("pd1") is PushState.DONE
 
 
 def test_refused_write_is_reported_at_once(rig):
@@ -132,15 +134,62 @@ def test_registration_after_the_lease_ended_orders_no_write(rig):
     at once and no rank gets an order."""
     prod, leases, pulls = rig
     prod.bind_workers({r: f"tcp://127.0.0.1:{port}" for r, (_, port) in enumerate(pulls)})
-    with leases.lock:
-        leases.table.grant("pd1", num_consumers=2)
+    leases.grant("pd1", num_consumers=2)
     prod.prefill_done("pd1", "p-req", [10, 11, 12], 40)  # waits for D's registration
-    with leases.lock:
-        for rank in (0, 1):
-            leases.table.release("pd1", rank, ok=False)
-        assert leases.table.sweep().released == ["pd1"]
+    assert leases.release_ranks("pd1", range(2), ok=False) is True
+    assert leases.sweep().released == ["pd1"]
     prod.handle(registration())
     [result] = prod._outbox.results()
     assert result.ok is False and "lease on the prefilled blocks ended" in result.detail
     for sock, _ in pulls:
         assert not sock.poll(100)  # nothing was ordered
+
+
+def test_expired_prefill_is_forgotten_in_the_sweeps_critical_section(rig):
+    """The prefill's lease expires before D registers. The sweep forgets the
+    prefill in the same critical section as it ends the lease, so a
+    registration on the side-channel thread either matched before (and
+    holds the lease) or is refused after: it never sees the freed blocks."""
+    prod, _, pulls = rig
+    clock = [0.0]
+    leases = LeaseService(LeaseTable(30.0, lambda: clock[0]))
+    prod.leases = leases
+    prod.bind_workers({r: f"tcp://127.0.0.1:{port}" for r, (_, port) in enumerate(pulls)})
+    leases.grant("pd1", num_consumers=2)
+    prod.prefill_done("pd1", "p-req", [10, 11, 12], 40)
+    clock[0] = 31.0
+    replies: list[proto.Reply] = []
+    side_channel = threading.Thread(target=lambda: replies.append(prod.handle(registration())))
+    state_in_callback: list[str] = []
+
+    def on_expired(ids: list[str]) -> None:
+        side_channel.start()
+        side_channel.join(0.2)  # kept out: the sweep holds the lock
+        prod.forget_expired_prefills(ids)
+        state_in_callback.append(prod.book.state("pd1"))
+
+    assert leases.sweep(on_expired=on_expired).expired == ["pd1"]
+    side_channel.join(2)
+    assert state_in_callback == [PushState.EXPIRED]
+    [reply] = replies
+    assert isinstance(reply, proto.ErrorReply) and "already expired" in reply.message
+    for sock, _ in pulls:
+        assert not sock.poll(100)  # nothing was ordered
+
+
+def test_replies_carry_typed_states_that_round_trip_the_wire(rig):
+    prod, _, pulls = rig
+    prod.bind_workers({r: f"tcp://127.0.0.1:{port}" for r, (_, port) in enumerate(pulls)})
+    accepted = prod.handle(registration())
+    assert accepted == proto.PushAccepted(engine_id="eng-p",
+                                          state=proto.PushAcceptedState.WAITING)
+    status = prod.handle(proto.PushAbort(engine_id="eng-d", pd_request_id="pd1"))
+    assert status == proto.PushAbortStatus(proto.PushAbortState.ABORTED)
+    assert prod.handle(proto.PushAbort(engine_id="eng-d", pd_request_id="ghost")) == (
+        proto.PushAbortStatus(proto.PushAbortState.UNKNOWN))
+    # The same strings as before on the wire, decoded back into the enums.
+    for reply, wire_state in ((accepted, "waiting"), (status, "aborted")):
+        data = proto.encode(reply)
+        assert msgspec.msgpack.decode(data)["state"] == wire_state
+        decoded = proto.decode_reply(data)
+        assert decoded == reply and type(decoded.state) is type(reply.state)

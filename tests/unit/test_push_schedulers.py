@@ -25,6 +25,7 @@ from vllm.v1.request import RequestStatus
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.leases import LeaseState
 from vllm_pd_ext.metadata import PDHandshakeMetadata
+from vllm_pd_ext.pushbook import PushState
 from vllm_pd_ext.side_channel import SideChannelClient
 
 HOST = "127.0.0.1"
@@ -150,7 +151,7 @@ def test_registration_first_then_prefill_orders_exact_blocks(pair: Pair) -> None
     d_req, meta = admit_on_d(pair, "pd-1", 3 * BLOCK_SIZE + 5)
     (spec,) = meta.push_recv
     assert spec.pd_request_id == "pd-1" and len(spec.local_block_ids) == 4
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") == "registered")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") is PushState.REGISTERED)
     assert pair.next_order(100) is None  # nothing to write before the prefill
     p_req = prefill_on_p(pair, "pd-1", 3 * BLOCK_SIZE + 5)
     order = pair.next_order()
@@ -161,7 +162,7 @@ def test_registration_first_then_prefill_orders_exact_blocks(pair: Pair) -> None
     # Held for the WRITE: never expires, even long past the lease.
     assert pd(pair.p).leases.table.get("pd-1").state is LeaseState.WRITING
     pair.settle_write("pd-1")
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") == "done")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-1") is PushState.DONE)
     finish_both(pair, d_req)
 
 
@@ -192,11 +193,11 @@ def test_heartbeats_keyed_by_pd_request_id_keep_p_lease_alive(pair: Pair) -> Non
 
 def test_d_abort_after_registration_waits_for_p_then_frees(pair: Pair) -> None:
     d_req, _ = admit_on_d(pair, "pd-abort", 150)
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-abort") == "registered")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-abort") is PushState.REGISTERED)
     pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
     assert d_req.request_id in pair.d.requests  # blocks kept: a WRITE might land
     assert wait_push_fail(pair, d_req)[0] == "aborted"
-    assert pd(pair.p).producer.book.state("pd-abort") == "aborted"
+    assert pd(pair.p).producer.book.state("pd-abort") is PushState.ABORTED
     # D's worker reports it: vLLM frees the blocks.
     step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
     step(pair.d)
@@ -210,7 +211,7 @@ def test_d_abort_after_registration_waits_for_p_then_frees(pair: Pair) -> None:
 
 def test_d_abort_while_write_in_flight_keeps_blocks_until_settled(pair: Pair) -> None:
     d_req, _ = admit_on_d(pair, "pd-inflight", 150)
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-inflight") == "registered")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-inflight") is PushState.REGISTERED)
     prefill_on_p(pair, "pd-inflight", 150)
     assert pair.next_order() is not None  # the WRITE is now "in flight"
     pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
@@ -263,7 +264,7 @@ def test_prefix_hit_on_d_registers_only_missing_blocks(pair: Pair) -> None:
 
 def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
     d_req, _ = admit_on_d(pair, "pd-p-abort", 150)
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-p-abort") == "registered")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-p-abort") is PushState.REGISTERED)
     p_req = create_request(150, max_tokens=1, kv_transfer_params={
         "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": "pd-p-abort"})
     pair.p.add_request(p_req)
@@ -282,7 +283,7 @@ def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
 
 def test_failed_write_reaches_d_through_p_scheduler_at_once(pair: Pair) -> None:
     d_req, _ = admit_on_d(pair, "pd-wfail", 150)
-    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-wfail") == "registered")
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-wfail") is PushState.REGISTERED)
     prefill_on_p(pair, "pd-wfail", 150)
     assert pair.next_order() is not None
     pair.settle_write("pd-wfail", ok=False, reason="NIXL reported an error for the WRITE")

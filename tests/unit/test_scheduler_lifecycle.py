@@ -124,6 +124,12 @@ def test_p_holds_blocks_until_release(make_scheduler):
     assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == nblocks
     # And D decodes them back without error.
     assert proto.decode_params(params).flat_remote_block_ids() == params["remote_block_ids"][0]
+    # Built from the typed struct: NixlConnector's keys plus ours that are set
+    # (vLLM's scheduler itself adds remote_prefill_cached_tokens).
+    assert set(params) - {"remote_prefill_cached_tokens"} == {
+        "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
+        "remote_request_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size",
+        "transfer_mode", "remote_num_tokens", "remote_blocks_expiry_time"}
     # The request left vLLM's scheduler (an idle P does not step) but its
     # blocks stay pinned by the lease.
     assert req.request_id not in sched.requests
@@ -445,4 +451,72 @@ def test_d_too_few_remote_blocks_fails_load(make_scheduler):
     assert meta.reqs_to_recv == [], meta.reqs_to_recv
     assert req.request_id in meta.reqs_to_fail
     step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert_empty_after_step(sched)
+
+
+@pytest.mark.parametrize("tp_size", [2, 1024])
+def test_d_tp_size_in_params_is_checked_never_looped_over(make_scheduler, fake_p, tp_size):
+    """Item 2: the rank count is D's own TP size (the handshake refuses a P
+    with another); a request naming another tp_size fails its load at once,
+    naming the field, and nothing is sent per claimed rank."""
+    port, _ = fake_p
+    sched = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(port, 4, tp_size=tp_size))
+    t0 = time.monotonic()
+    meta = admit_remote(sched, req)
+    assert time.monotonic() - t0 < 1.0
+    assert meta.reqs_to_recv == []
+    reason, why = meta.reqs_to_fail[req.request_id]
+    assert reason == "bad_params" and f"tp_size={tp_size}" in why, why
+    assert "tensor_parallel_size=1" in why
+    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert req.status is RequestStatus.FINISHED_ERROR
+    assert pd(sched).heartbeats.num_lanes == 0  # no heartbeat or release ever left
+    assert_empty_after_step(sched)
+
+
+def test_d_second_live_request_on_one_p_lease_is_refused(make_scheduler, fake_p):
+    """Items 6 and 7: the same P answer used by two live requests (a replayed
+    D leg, n > 1 children): the first loads, the second fails its load with
+    an error naming the other request; once the first ended, the lease is
+    free to be named again (P then says whether it still exists)."""
+    port, _ = fake_p
+    sched = make_scheduler(policy="fail")
+    params = remote_params(port, 4, num_tokens=100)
+    first = create_request(100, kv_transfer_params=params)
+    meta = admit_remote(sched, first)
+    assert [s.request_id for s in meta.reqs_to_recv] == [first.request_id]
+    replay = create_request(100, kv_transfer_params=dict(params))
+    meta = admit_remote(sched, replay)
+    assert meta.reqs_to_recv == []
+    reason, why = meta.reqs_to_fail[replay.request_id]
+    assert reason == "bad_params" and first.request_id in why and "already using" in why, why
+    step(sched, finished_recving={first.request_id, replay.request_id},
+         failed_recving={replay.request_id})
+    assert replay.status is RequestStatus.FINISHED_ERROR
+    run_until_finished(sched, first)
+    later = create_request(100, kv_transfer_params=dict(params))
+    meta = admit_remote(sched, later)
+    assert [s.request_id for s in meta.reqs_to_recv] == [later.request_id]
+    step(sched, finished_recving={later.request_id})
+    run_until_finished(sched, later)
+    assert_empty_after_step(sched)
+
+
+def test_d_lease_claim_of_an_aborted_load_ends_when_the_worker_reports_it(make_scheduler,
+                                                                          fake_p):
+    """A request aborted while its load is in flight keeps its claim on the
+    lease (and its record) until the workers report the load."""
+    port, _ = fake_p
+    sched = make_scheduler(policy="fail")
+    params = remote_params(port, 4, num_tokens=100)
+    req = create_request(100, kv_transfer_params=params)
+    admit_remote(sched, req)
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    replay = create_request(100, kv_transfer_params=dict(params))
+    meta = admit_remote(sched, replay)
+    assert replay.request_id in meta.reqs_to_fail
+    step(sched, finished_recving={req.request_id, replay.request_id},
+         failed_recving={replay.request_id})
+    assert pd(sched)._d == {} and pd(sched)._lease_users == {}
     assert_empty_after_step(sched)

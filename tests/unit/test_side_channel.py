@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import typing
 
 import msgspec
 import pytest
@@ -10,13 +11,9 @@ import zmq
 from pdunit_utils import FakeClock, free_port
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.side_channel import (
-    LeaseService,
-    SideChannelClient,
-    SideChannelError,
-    SideChannelServer,
-)
+from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 
@@ -85,8 +82,8 @@ def test_handshake_unknown_rank(server, client):
 
 
 def test_renew_acquire_release(server, client, service, fake_clock):
-    service.table.grant("r1")
-    service.table.grant("r2")
+    service.grant("r1", num_consumers=1)
+    service.grant("r2", num_consumers=1)
     fake_clock.advance(4.0)
     reply = client.request(HOST, server.port, proto.LeaseRenew(
         engine_id="eng-d", request_ids=["r1", "ghost"]))
@@ -105,12 +102,12 @@ def test_renew_acquire_release(server, client, service, fake_clock):
         engine_id="eng-d", request_ids=["r1"], tp_rank=0))
     assert isinstance(reply, proto.Ack)
     assert service.table.get("r1").state is LeaseState.RELEASED
-    res = service.table.sweep()
+    res = service.sweep()
     assert res.released == ["r1"]
 
     # r2 expires; a late pin and a late release are counted, not errors.
     fake_clock.advance(20.0)
-    assert service.table.sweep().expired == ["r2"]
+    assert service.sweep().expired == ["r2"]
     reply = client.request(HOST, server.port, proto.LeaseRenew(
         engine_id="eng-d", request_ids=["r2"], acquire=True))
     assert reply.remaining_s == [proto.LEASE_EXPIRED]
@@ -230,9 +227,110 @@ def test_oversized_frame_is_dropped_and_server_keeps_serving(server, client):
 
 
 def test_release_naming_a_rank_the_lease_lacks_is_ignored(server, client, service):
-    with service.lock:
-        service.table.grant("two-ranks", num_consumers=2)
+    service.grant("two-ranks", num_consumers=2)
     for rank in (1, 7):
         client.request(HOST, server.port, proto.LeaseRelease(
             engine_id="d", request_ids=["two-ranks"], tp_rank=rank))
     assert service.table.get("two-ranks").state is not LeaseState.RELEASED
+
+
+# ----------------------------------------------------------------- dispatch
+def test_every_request_type_has_a_handler(server):
+    """Dispatch is a table: a new message type without an entry fails here,
+    not as an ``internal`` error in production."""
+    assert set(server._handlers) == set(typing.get_args(proto.Request))
+
+
+def test_push_messages_on_a_pull_engine_are_refused(server, client):
+    with pytest.raises(SideChannelError, match="does not run transfer_mode='push'") as exc:
+        client.request(HOST, server.port, proto.PushAbort(engine_id="d", pd_request_id="x"))
+    assert exc.value.code == "not_push"
+
+
+# ------------------------------------------------- pin holders (replay, n > 1)
+def pin(client, port, rid, consumer, rank=0, engine="eng-d"):
+    return client.request(HOST, port, proto.LeaseRenew(
+        engine_id=engine, request_ids=[rid], acquire=True, tp_rank=rank, consumer=consumer))
+
+
+def release(client, port, rid, consumer="", rank=0, engine="eng-d"):
+    return client.request(HOST, port, proto.LeaseRelease(
+        engine_id=engine, request_ids=[rid], tp_rank=rank, consumer=consumer))
+
+
+def test_two_consumers_pin_the_lease_first_release_keeps_it(server, client, service):
+    """A replayed D leg (or n > 1): two D requests read the same P answer.
+    The first one's release must not free blocks the second may be reading."""
+    service.grant("r", num_consumers=1)
+    assert pin(client, server.port, "r", "d-req-1").remaining_s[0] > 0
+    assert pin(client, server.port, "r", "d-req-2", engine="eng-d2").remaining_s[0] > 0
+    release(client, server.port, "r", "d-req-1")
+    assert service.table.get("r").state is LeaseState.READING
+    assert service.sweep().released == []
+    release(client, server.port, "r", "d-req-2", engine="eng-d2")
+    assert service.sweep().released == ["r"]
+
+
+def test_tp2_one_consumer_over_the_wire(server, client, service):
+    service.grant("r", num_consumers=2)
+    for rank in (0, 1):
+        pin(client, server.port, "r", "d-req", rank=rank)
+    release(client, server.port, "r", "d-req", rank=0)
+    assert not service.has_released()
+    release(client, server.port, "r", "d-req", rank=1)
+    assert service.sweep().released == ["r"]
+
+
+def test_not_needed_release_cannot_end_another_consumers_pin(server, client, service):
+    service.grant("r", num_consumers=1)
+    pin(client, server.port, "r", "d-req-2")
+    # D request 1 found everything in its prefix cache: it releases before
+    # any pin, naming no consumer (as older peers do).
+    release(client, server.port, "r")
+    assert not service.has_released()
+    release(client, server.port, "r", "d-req-2")
+    assert service.has_released()
+
+
+def test_old_peer_without_consumer_releases_as_before(server, client, service):
+    service.grant("r", num_consumers=1)
+    client.request(HOST, server.port, proto.LeaseRenew(
+        engine_id="old-d", request_ids=["r"], acquire=True))
+    release(client, server.port, "r", engine="old-d")
+    assert service.sweep().released == ["r"]
+
+
+def test_holder_that_never_releases_expires_when_heartbeats_stop(server, client, service,
+                                                                 fake_clock):
+    service.grant("r", num_consumers=1)
+    pin(client, server.port, "r", "d-req-1")
+    pin(client, server.port, "r", "d-req-2")
+    release(client, server.port, "r", "d-req-2")
+    fake_clock.advance(8.0)
+    client.request(HOST, server.port, proto.LeaseRenew(engine_id="eng-d", request_ids=["r"]))
+    fake_clock.advance(8.0)  # renewed: still held past the granted expiry
+    assert service.sweep().expired == []
+    fake_clock.advance(2.0)  # no heartbeat for a whole lease
+    assert service.sweep().expired == ["r"]
+
+
+def test_consumer_longer_than_a_request_id_is_malformed(server, client):
+    big = "c" * (proto.MAX_REQUEST_ID_LEN + 1)
+    for msg in (proto.LeaseRenew(engine_id="d", request_ids=["a"], acquire=True, consumer=big),
+                proto.LeaseRelease(engine_id="d", request_ids=["a"], tp_rank=0, consumer=big),
+                proto.LeaseRenew(engine_id="d", request_ids=["a"], acquire=True, tp_rank=-2)):
+        with pytest.raises(SideChannelError, match="malformed") as exc:
+            client.request(HOST, server.port, msg)
+        assert exc.value.code == "malformed"
+
+
+def test_pin_fields_default_for_older_peers():
+    """An older peer's messages (no tp_rank / consumer keys) still decode."""
+    old = msgspec.msgpack.encode({"type": "renew", "engine_id": "d", "request_ids": ["a"],
+                                  "acquire": True})
+    msg = proto.decode_request(old)
+    assert isinstance(msg, proto.LeaseRenew) and (msg.tp_rank, msg.consumer) == (-1, "")
+    old = msgspec.msgpack.encode({"type": "release", "engine_id": "d", "request_ids": ["a"],
+                                  "tp_rank": 0})
+    msg = proto.decode_request(old)
+    assert isinstance(msg, proto.LeaseRelease) and msg.consumer == ""

@@ -17,9 +17,10 @@ from pdunit_utils import free_port, wait_for
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
-from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.worker import PDWorker
 
@@ -72,8 +73,9 @@ class Pair:
                  lease_s: float = 30.0, serve: bool = True, d_layers: int = LAYERS,
                  p_engine_id: str = "eng-p") -> None:
         self.fabric = FakeFabric()
-        self.p_transport = FakeTransport("p-agent", self.fabric)
-        self.d_transport = FakeTransport("d-agent", self.fabric, cycles_to_done=2)
+        # Our agents are named <engine id>-tp<rank>-<suffix>; D checks it.
+        self.p_transport = FakeTransport(f"{p_engine_id}-tp0-fake", self.fabric)
+        self.d_transport = FakeTransport("eng-d-tp0-fake", self.fabric, cycles_to_done=2)
         self.p_kv = kv_tensors("rand", slab=slab)
         self.d_kv = kv_tensors("zero", layers=d_layers, slab=slab)
         self.p_worker = PDWorker(fake_vllm_config(p_engine_id, True), PDConfig(),
@@ -107,11 +109,10 @@ class Pair:
                         remote_tp_size=1, num_tokens=len(local) * BLOCK)
 
     def grant(self, prid="p-req"):
-        with self.leases.lock:
-            self.leases.table.grant(prid)
+        self.leases.grant(prid, num_consumers=1)
 
     def lease(self, prid="p-req"):
-        with self.leases.lock:
+        with self.leases.lock:  # tests may inspect the table
             return self.leases.table.get(prid)
 
     def close(self):
@@ -414,7 +415,7 @@ def test_worker_never_reports_finished_sending(make_pair):
 def test_handshake_metadata_describes_regions(make_pair):
     pair = make_pair()
     meta = pair.p_worker.get_handshake_metadata()
-    assert meta is not None and meta.agent.agent_name == "p-agent"
+    assert meta is not None and meta.agent.agent_name == "eng-p-tp0-fake"
     assert meta.agent.mem_type == "DRAM"
     assert len(meta.agent.regions) == LAYERS
     for region, t in zip(meta.agent.regions, pair.p_kv.values(), strict=True):
@@ -488,4 +489,5 @@ def test_finished_loads_leave_no_trace_in_the_peer_slot(make_pair):
     _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=specs),
                                {s.request_id for s in specs})
     assert len(recving) == 5 and not failed
-    assert pair.d_worker._peers["eng-p"].jobs_waiting == set()
+    entry = pair.d_worker.reader._peers[("eng-p", HOST, pair.port)]
+    assert entry.waiting == set() and entry.peer is not None and entry.peer.users == 0

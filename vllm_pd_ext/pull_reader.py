@@ -1,0 +1,515 @@
+"""D's worker half in pull mode: read each prompt's KV out of P's blocks.
+
+Runs on D's worker main thread (the engine step). ``expect`` takes the
+scheduler's ``RecvSpec``s; ``advance`` (every step) moves each load through
+
+    HANDSHAKE -> PIN -> POSTING -> READING -> done | failed
+
+and never blocks the step:
+
+- Side-channel round trips (handshake, pin, release) leave on one lane per
+  P endpoint (``Outbox``). A frozen or dead P delays only its own loads;
+  when one of its requests times out, what is queued behind it fails at
+  once instead of waiting one more timeout each.
+- HANDSHAKE fetches and checks P's layout once per ``(engine id, host,
+  port)``. Every load holds its own reference to the peer it handshook
+  with, so one failed pin, post or READ fails that load only. A pin that P
+  does not know (``LEASE_UNKNOWN``) or a failed READ makes the peer
+  *suspect*: a fresh handshake checks it, and only a new engine id at that
+  endpoint (P restarted) retires the cached peer.
+- PIN asks P to pin the lease and returns how long it is guaranteed; READs
+  are posted only inside that window (checked again at the post).
+- POSTING hands the READ to one poster thread: on one host UCX copies
+  inside the post call (about 16 ms per 256 MiB), and NIXL releases the GIL
+  meanwhile, so other requests' decode is not held up. READING polls.
+
+A READ that cannot be released (it may still write into D's blocks) keeps
+its load unreported, and so D's blocks allocated, until it settles. A
+peer's NIXL agent is removed only when no READ uses it, and idle peers are
+forgotten after ``PEER_IDLE_TTL_S``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_pd_ext import outbox
+from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.coalesce import build_descriptors
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.metadata import RecvSpec
+from vllm_pd_ext.outbox import Outbox
+from vllm_pd_ext.policy import FailureReason
+from vllm_pd_ext.side_channel import SideChannelError
+from vllm_pd_ext.transport import Transport, TransportError, XferState
+
+logger = get_logger(__name__)
+
+#: Never post a READ with less than this left on the pinned lease.
+PIN_SAFETY_MARGIN_S = 1.0
+#: A peer no load used for this long is forgotten (its agent removed).
+PEER_IDLE_TTL_S = 300.0
+#: How often ``advance`` looks for idle peers.
+REAP_EVERY_S = 1.0
+
+#: (remote engine id, host, port): one handshake each. An id alone would let
+#: one request naming a real engine id at another host replace its agent.
+PeerKey = tuple[str, str, int]
+#: (request id, local block ids, reason, detail) of a failed load.
+Failure = tuple[str, list[int], FailureReason, str]
+
+
+class RecvState(enum.Enum):
+    HANDSHAKE = "handshake"
+    PIN = "pin"
+    POSTING = "posting"
+    READING = "reading"
+
+
+@dataclass
+class Peer:
+    """A checked handshake: P's NIXL agent for this rank and its layout."""
+
+    key: PeerKey
+    name: str
+    agent: proto.AgentInfo
+    #: Loads whose READ was posted on this agent and has not settled.
+    users: int = 0
+    retired: bool = False
+
+
+@dataclass
+class _PeerEntry:
+    """The handshake cache slot of one ``PeerKey``."""
+
+    key: PeerKey
+    peer: Peer | None = None
+    #: A handshake in flight: the first, or a suspect peer's re-check.
+    pending: Future[proto.Reply | SideChannelError] | None = None
+    waiting: set[str] = field(default_factory=set)
+    last_used: float = 0.0
+
+
+@dataclass
+class RecvJob:
+    spec: RecvSpec
+    arrived: float
+    deadline: float
+    state: RecvState = RecvState.HANDSHAKE
+    peer: Peer | None = None
+    future: Future[Any] | None = None
+    pin_sent: float = 0.0
+    handle: Any = None
+    posted: float = 0.0
+    done_at: float = 0.0
+    nbytes: int = 0
+    ndescs: int = 0
+    stuck_logged: bool = False
+
+    @property
+    def key(self) -> PeerKey:
+        s = self.spec
+        return (s.remote_engine_id, s.remote_host, s.remote_port)
+
+
+class LoadFailed(Exception):
+    def __init__(self, reason: FailureReason, detail: str, release: bool = True) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+        #: False when P surely holds no pin of ours (nothing to release) or
+        #: cannot answer (a timed-out handshake): no release is sent.
+        self.release = release
+
+
+class PullReader:
+    """Every pull load of one D worker rank; see the module docstring."""
+
+    def __init__(self, engine_id: str, tp_rank: int, compat: proto.CompatInfo,
+                 transport: Transport, regions: list[proto.Region], *,
+                 side_channel_timeout_s: float, transfer_timeout_s: float,
+                 on_loaded: Callable[[RecvJob, float], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 io: Outbox | None = None) -> None:
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.compat = compat
+        self.transport = transport
+        self.regions = regions
+        self.transfer_timeout_s = transfer_timeout_s
+        self._on_loaded = on_loaded
+        self._clock = clock
+        self._io = io or Outbox(side_channel_timeout_s, name=f"pd-pull{tp_rank}",
+                                idle_ttl_s=outbox.LANE_IDLE_TTL_S,
+                                fail_queued_on_timeout=True)
+        # One thread: posts are serialised, never concurrent with each other.
+        self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-post")
+        self._peers: dict[PeerKey, _PeerEntry] = {}
+        #: Agent name -> the key it was loaded for (a name is never shared).
+        self._names: dict[str, PeerKey] = {}
+        #: Peers replaced or forgotten while READs still use their agent.
+        self._retired: list[Peer] = []
+        self._jobs: dict[str, RecvJob] = {}
+        self._next_reap = 0.0
+
+    # ----------------------------------------------------------- intake
+    def expect(self, spec: RecvSpec) -> None:
+        now = self._clock()
+        job = self._jobs[spec.request_id] = RecvJob(
+            spec, arrived=now, deadline=now + self.transfer_timeout_s)
+        entry = self._entry(job.key)
+        entry.waiting.add(spec.request_id)
+        entry.last_used = now
+
+    def _entry(self, key: PeerKey) -> _PeerEntry:
+        entry = self._peers.get(key)
+        if entry is None:
+            entry = self._peers[key] = _PeerEntry(key)
+        if entry.peer is None and entry.pending is None:
+            self._handshake(entry)
+        return entry
+
+    def _handshake(self, entry: _PeerEntry) -> None:
+        engine_id, host, port = entry.key
+        logger.info("PDConnector: handshake with engine %s at %s:%d (rank %d)", engine_id,
+                    host, port, self.tp_rank)
+        entry.pending = self._send(host, port, proto.HandshakeRequest(
+            engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
+
+    def _send(self, host: str, port: int, msg: proto.Request
+              ) -> Future[proto.Reply | SideChannelError]:
+        fut: Future[proto.Reply | SideChannelError] = Future()
+        self._io.send(host, port, msg, fut.set_result)
+        return fut
+
+    # ------------------------------------------------------------- step
+    def advance(self) -> list[Failure]:
+        """Move every load on; return the loads that failed this pass.
+        Finished loads are handed to ``on_loaded``."""
+        failed: list[Failure] = []
+        now = self._clock()
+        for entry in list(self._peers.values()):
+            if entry.pending is not None and entry.pending.done():
+                failed += self._settle_handshake(entry)
+        for rid, job in list(self._jobs.items()):
+            if rid not in self._jobs:
+                continue
+            try:
+                if job.state is RecvState.HANDSHAKE:
+                    self._step_handshake(job)
+                if job.state is RecvState.PIN:
+                    self._step_pin(job)
+                if job.state is RecvState.POSTING:
+                    self._step_post(job)
+                if job.state is RecvState.READING:
+                    self._step_read(job)
+            except LoadFailed as exc:
+                failed.append(self._fail(job, exc))
+                continue
+            if rid in self._jobs and now > job.deadline:
+                late = self._timeout(job)
+                if late is not None:
+                    failed.append(self._fail(job, late))
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_EVERY_S
+            self._reap(now)
+        return failed
+
+    def _settle_handshake(self, entry: _PeerEntry) -> list[Failure]:
+        assert entry.pending is not None
+        reply = entry.pending.result()
+        entry.pending = None
+        engine_id, host, port = entry.key
+        try:
+            peer = self._adopt(entry, reply)
+        except LoadFailed as exc:
+            if entry.peer is not None:
+                # A suspect peer's re-check failed: retire it (new loads
+                # handshake afresh); loads holding it finish on their own.
+                logger.warning("PDConnector: re-check of engine %s at %s:%d failed (%s); "
+                               "forgetting its cached handshake", engine_id, host, port,
+                               exc.detail)
+                self._retire(entry.peer)
+                entry.peer = None
+            self._peers.pop(entry.key, None)
+            detail = f"handshake with {host}:{port} failed: {exc.detail}"
+            out = []
+            # Everyone waiting on this handshake fails now, not after
+            # another timeout each.
+            for rid in list(entry.waiting):
+                job = self._jobs.get(rid)
+                if job is not None and job.state is RecvState.HANDSHAKE:
+                    out.append(self._fail(job, LoadFailed(exc.reason, detail, exc.release)))
+            return out
+        if entry.peer is None:
+            entry.peer = peer
+        elif entry.peer.name != peer.name:  # pragma: no cover - _adopt refuses this
+            self._retire(entry.peer)
+            entry.peer = peer
+        return []
+
+    def _adopt(self, entry: _PeerEntry, reply: proto.Reply | SideChannelError) -> Peer:
+        engine_id, host, port = entry.key
+        if isinstance(reply, SideChannelError):
+            reason = (FailureReason.INCOMPATIBLE if reply.code == "incompatible"
+                      else FailureReason.HANDSHAKE)
+            # A P that did not answer holds no pin of ours: nothing to release.
+            raise LoadFailed(reason, str(reply), release=reply.refused)
+        if not isinstance(reply, proto.HandshakeReply):
+            raise LoadFailed(FailureReason.HANDSHAKE, f"unexpected reply {type(reply).__name__}")
+        if reply.engine_id != engine_id:
+            raise LoadFailed(FailureReason.HANDSHAKE,
+                             f"the engine at {host}:{port} is {reply.engine_id}, not "
+                             f"{engine_id} (P restarted?)")
+        diff = self.compat.diff(reply.compat)
+        if diff:
+            raise LoadFailed(FailureReason.INCOMPATIBLE, "incompatible peer: " + "; ".join(diff))
+        if len(reply.agent.regions) != len(self.regions) or any(
+                a.block_len != b.block_len for a, b in zip(reply.agent.regions, self.regions,
+                                                           strict=False)):
+            raise LoadFailed(FailureReason.LAYOUT, "KV region layout differs from ours")
+        claimed = reply.agent.agent_name
+        if not claimed.startswith(f"{engine_id}-tp{self.tp_rank}-"):
+            raise LoadFailed(FailureReason.HANDSHAKE,
+                             f"the engine at {host}:{port} claims engine id {engine_id} but "
+                             f"its rank-{self.tp_rank} NIXL agent is named {claimed!r}")
+        if entry.peer is not None:
+            if entry.peer.name != claimed:
+                raise LoadFailed(FailureReason.HANDSHAKE,
+                                 f"engine {engine_id} at {host}:{port} now has agent "
+                                 f"{claimed!r}, not {entry.peer.name!r}")
+            logger.info("PDConnector: re-check of engine %s at %s:%d: unchanged", engine_id,
+                        host, port)
+            return entry.peer
+        owner = self._names.get(claimed)
+        if owner is not None and owner != entry.key:
+            raise LoadFailed(FailureReason.HANDSHAKE,
+                             f"agent {claimed!r} claimed by {host}:{port} already belongs to "
+                             f"engine {owner[0]} at {owner[1]}:{owner[2]}")
+        try:
+            name = self.transport.add_peer(reply.agent.agent_metadata)
+        except TransportError as exc:
+            raise LoadFailed(FailureReason.HANDSHAKE, str(exc)) from exc
+        if name != claimed:
+            if name not in self._names:
+                self.transport.remove_peer(name)
+            raise LoadFailed(FailureReason.HANDSHAKE,
+                             f"the NIXL metadata from {host}:{port} is agent {name!r}, but the "
+                             f"handshake claimed {claimed!r}")
+        self._names[name] = entry.key
+        logger.info("PDConnector: handshake with engine %s done (agent %s, compat %s)",
+                    reply.engine_id, name, reply.compat.digest())
+        return Peer(entry.key, name, reply.agent)
+
+    def _step_handshake(self, job: RecvJob) -> None:
+        entry = self._peers.get(job.key)
+        if entry is None:
+            # The entry was dropped (its peer retired) while this load waited.
+            entry = self._entry(job.key)
+            entry.waiting.add(job.spec.request_id)
+            return
+        if entry.peer is None:
+            return
+        entry.waiting.discard(job.spec.request_id)
+        job.peer = entry.peer
+        job.state = RecvState.PIN
+        job.pin_sent = self._clock()
+        spec = job.spec
+        job.future = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
+            engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
+            tp_rank=self.tp_rank, consumer=spec.request_id))
+
+    def _step_pin(self, job: RecvJob) -> None:
+        assert job.future is not None and job.peer is not None
+        if not job.future.done():
+            return
+        spec = job.spec
+        reply = job.future.result()
+        job.future = None
+        if isinstance(reply, SideChannelError):
+            raise LoadFailed(FailureReason.LEASE_LOST, f"pin failed: {reply}")
+        remaining = reply.remaining_s[0] if isinstance(reply, proto.LeaseStatus) else -1.0
+        valid_until = job.pin_sent + remaining
+        margin = min(PIN_SAFETY_MARGIN_S, remaining / 4)
+        if remaining < 0 or valid_until - self._clock() < margin:
+            if remaining == proto.LEASE_UNKNOWN:
+                self._suspect(job.key, f"P does not know lease {spec.remote_request_id}")
+            what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted?)",
+                    proto.LEASE_EXPIRED: "expired on P"}.get(remaining, "about to expire")
+            raise LoadFailed(FailureReason.LEASE_LOST,
+                             f"P's blocks for {spec.remote_request_id} are {what}",
+                             release=remaining >= 0)
+        peer = job.peer
+        try:
+            descs = build_descriptors(spec.local_block_ids, spec.remote_block_ids,
+                                      self.regions, peer.agent.regions)
+        except ValueError as exc:
+            raise LoadFailed(FailureReason.LAYOUT, str(exc)) from exc
+        job.posted = self._clock()
+        job.nbytes = sum(n for _, _, n in descs)
+        job.ndescs = len(descs)
+        job.state = RecvState.POSTING
+        peer.users += 1
+        job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id,
+                                         valid_until - margin, spec.remote_request_id)
+        self._step_post(job)
+
+    def _post(self, peer: str, descs: list[Any], device_id: int, post_by: float,
+              remote_request_id: str) -> tuple[Any, XferState, float]:
+        """Poster thread: post, then poll once so that a copy done inside the
+        post call is timed when it ended, not when the next step looks.
+
+        The pin's margin is checked again here, at the post: posts are
+        serialised, and one behind a long copy can wait past the lease."""
+        if self._clock() > post_by:
+            raise LoadFailed(FailureReason.LEASE_LOST,
+                             f"P's lease on {remote_request_id} ran out while the READ waited "
+                             "for the poster thread; not read")
+        handle = self.transport.post_read(peer, descs, device_id)
+        return handle, self.transport.poll(handle), self._clock()
+
+    def _step_post(self, job: RecvJob) -> None:
+        assert job.future is not None
+        if not job.future.done():
+            return
+        fut, job.future = job.future, None
+        try:
+            job.handle, state, at = fut.result()
+        except TransportError as exc:
+            self._unuse(job)
+            self._suspect(job.key, f"READ post failed: {exc}")
+            raise LoadFailed(FailureReason.TRANSFER, str(exc)) from exc
+        except LoadFailed:
+            self._unuse(job)
+            raise
+        if state is XferState.DONE:
+            job.done_at = at
+        job.state = RecvState.READING
+
+    def _step_read(self, job: RecvJob) -> None:
+        state = self.transport.poll(job.handle)
+        if state is XferState.PROC:
+            return
+        if not self.transport.release(job.handle):
+            if not job.stuck_logged:
+                job.stuck_logged = True
+                logger.error("PDConnector: READ for %s finished (%s) but its handle cannot be "
+                             "released; keeping its blocks and retrying", job.spec.request_id,
+                             state.value)
+            return  # try again next step; blocks stay allocated
+        job.handle = None
+        self._unuse(job)
+        if state is XferState.ERR:
+            self._suspect(job.key, "NIXL reported an error for a READ")
+            raise LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
+        done = self._clock()
+        del self._jobs[job.spec.request_id]
+        self._release(job.spec, ok=True, reason="")
+        self._on_loaded(job, done)
+
+    def _timeout(self, job: RecvJob) -> LoadFailed | None:
+        if job.state is RecvState.POSTING:
+            # The copy may be running inside the post call: D's blocks stay.
+            if not job.stuck_logged:
+                job.stuck_logged = True
+                logger.error("PDConnector: READ post for %s passed its deadline; keeping its "
+                             "blocks until the post returns", job.spec.request_id)
+            return None
+        if job.state is RecvState.READING:
+            if not self.transport.release(job.handle):
+                if not job.stuck_logged:
+                    job.stuck_logged = True
+                    logger.error("PDConnector: READ for %s passed its deadline and cannot be "
+                                 "cancelled; keeping its blocks until it settles",
+                                 job.spec.request_id)
+                return None
+            job.handle = None
+            self._unuse(job)
+        return LoadFailed(FailureReason.TIMEOUT,
+                          f"no KV after {self.transfer_timeout_s:.1f} s "
+                          f"(state {job.state.value})")
+
+    def _fail(self, job: RecvJob, exc: LoadFailed) -> Failure:
+        spec = job.spec
+        self._jobs.pop(spec.request_id, None)
+        entry = self._peers.get(job.key)
+        if entry is not None:
+            entry.waiting.discard(spec.request_id)
+        if exc.release:
+            self._release(spec, ok=False, reason=exc.reason.value)
+        return spec.request_id, spec.local_block_ids, exc.reason, exc.detail
+
+    def _release(self, spec: RecvSpec, ok: bool, reason: str) -> None:
+        self._io.send(spec.remote_host, spec.remote_port, proto.LeaseRelease(
+            engine_id=self.engine_id, request_ids=[spec.remote_request_id],
+            tp_rank=self.tp_rank, ok=ok, reason=reason, consumer=spec.request_id),
+            _log_release_failure)
+
+    # ------------------------------------------------------------ peers
+    def _suspect(self, key: PeerKey, why: str) -> None:
+        """Re-check the peer with a fresh handshake; keep using it meanwhile."""
+        entry = self._peers.get(key)
+        if entry is not None and entry.peer is not None and entry.pending is None:
+            logger.info("PDConnector: %s; re-checking engine %s at %s:%d", why, *key)
+            self._handshake(entry)
+
+    def _unuse(self, job: RecvJob) -> None:
+        peer = job.peer
+        if peer is not None and job.state in (RecvState.POSTING, RecvState.READING):
+            peer.users -= 1
+            entry = self._peers.get(peer.key)
+            if entry is not None:
+                entry.last_used = self._clock()
+            if peer.retired and peer.users == 0:
+                self._remove_agent(peer)
+
+    def _retire(self, peer: Peer) -> None:
+        peer.retired = True
+        if peer.users == 0:
+            self._remove_agent(peer)
+        else:
+            self._retired.append(peer)
+
+    def _remove_agent(self, peer: Peer) -> None:
+        if peer in self._retired:
+            self._retired.remove(peer)
+        if self._names.get(peer.name) == peer.key:
+            del self._names[peer.name]
+            self.transport.remove_peer(peer.name)
+            logger.info("PDConnector: dropped engine %s at %s:%d (agent %s)", *peer.key,
+                        peer.name)
+
+    def _reap(self, now: float) -> None:
+        for key, entry in list(self._peers.items()):
+            if entry.waiting or entry.pending is not None or now - entry.last_used < (
+                    PEER_IDLE_TTL_S):
+                continue
+            if entry.peer is not None:
+                if entry.peer.users:
+                    continue
+                self._retire(entry.peer)
+            del self._peers[key]
+
+    # ------------------------------------------------------------ state
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_peers(self) -> int:
+        """Cached handshakes plus retired agents still in use."""
+        return len(self._names)
+
+    def close(self) -> None:
+        self._io.close()
+        self._poster.shutdown(wait=True)
+
+
+def _log_release_failure(reply: proto.Reply | SideChannelError) -> None:
+    if isinstance(reply, SideChannelError):
+        logger.warning("PDConnector: release to P failed (its lease will expire): %s", reply)
