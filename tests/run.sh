@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: unit, scheduler-level, real-NIXL transport, proxy and
 # end-to-end tests with real vLLM engines on CPU. Sets up .venv first.
-# Extra arguments go to pytest (e.g. tests/run.sh tests/unit -k lease).
+# Extra arguments go to pytest (e.g. tests/run.sh tests/pure -k lease).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .ci/setup-env

@@ -35,6 +35,14 @@ class PushRecvSpec:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class LayoutProblem:
+    """Why D's blocks cannot take P's KV (scheduler half, either mode); the
+    load fails with ``layout_mismatch``."""
+
+    why: str
+
+
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)

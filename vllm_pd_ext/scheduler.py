@@ -20,7 +20,7 @@ into ``KVTransferParams`` once (``on_new_request``) and kept in one
 ``DRequest`` record until it ends; heartbeats to P start at once,
 ``get_num_new_matched_tokens`` asks vLLM to load the prompt tokens D does
 not hold asynchronously, and ``update_state_after_alloc`` hands D's fresh
-blocks to the mode's half: ``pull_consumer.PullConsumer`` pairs them with
+blocks to the mode's half: ``d_pull_scheduler.PullConsumer`` pairs them with
 P's blocks into a ``RecvSpec`` for the workers. Heartbeats stop when the load
 is reported finished (or failed). Two live requests naming one P lease (a
 replayed P answer, ``n > 1``) are refused: the second fails its load with a
@@ -28,9 +28,9 @@ clear error.
 
 Push mode (``transfer_mode: push``) reuses the pinning, leases and
 heartbeats, keyed by the proxy's ``pd_request_id`` (P's and D's internal
-ids differ): P's half is ``push_producer.PushProducer`` (match D's
+ids differ): P's half is ``p_push_scheduler.PushProducer`` (match D's
 registration with the finished prefill, order the WRITEs), D's is
-``push_consumer.PushConsumer`` (register the blocks D lacks, bound the
+``d_push_scheduler.PushConsumer`` (register the blocks D lacks, bound the
 wait, abort before reusing blocks).
 """
 
@@ -45,16 +45,22 @@ import msgspec
 from vllm_pd_ext import compat
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.d_pull_scheduler import PullConsumer
+from vllm_pd_ext.d_push_scheduler import PushConsumer
 from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseTable
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PushRecvSpec, RecvSpec
+from vllm_pd_ext.metadata import (
+    LayoutProblem,
+    PDConnectorMetadata,
+    PDHandshakeMetadata,
+    PushRecvSpec,
+    RecvSpec,
+)
+from vllm_pd_ext.p_push_scheduler import PushProducer
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.protocol import KVTransferParams, ParamsError, answer_params, decode_params
-from vllm_pd_ext.pull_consumer import LayoutProblem, PullConsumer
-from vllm_pd_ext.push_consumer import PushConsumer
-from vllm_pd_ext.push_producer import PushProducer
 from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.stats import PDStats
 
@@ -207,49 +213,21 @@ class PDScheduler:
                 d.loading = True
             return
         params = d.params
-        if params.mode == "push":
-            endpoint = (str(params.remote_host), int(params.remote_port or 0))
-            self._alloc_push(d, request, blocks, num_external_tokens, params, endpoint)
-            return
-        spec = self.pull.allocate(rid, params, request.num_prompt_tokens, num_external_tokens,
-                                  compat.new_block_ids(blocks))
+        half = self.consumer if params.mode == "push" else self.pull
+        assert half is not None  # a push request on a pull engine was refused on arrival
+        spec = half.allocate(rid, params, request.num_prompt_tokens, num_external_tokens,
+                             compat.new_block_ids(blocks))
+        if spec is None or isinstance(spec, LayoutProblem):
+            self.heartbeats.untrack(rid)  # P was told it is not needed
+        if spec is None:
+            return  # everything was in D's prefix cache
+        d.loading = True
         if isinstance(spec, LayoutProblem):
             self._pending_fail[rid] = (FailureReason.LAYOUT.value, spec.why)
-            d.loading = True
-        elif spec is not None:
+        elif isinstance(spec, RecvSpec):
             self._pending_recv.append(spec)
-            d.loading = True
-
-    def _alloc_push(self, d: DRequest, request: Any, blocks: Any, num_external_tokens: int,
-                    params: KVTransferParams, endpoint: tuple[str, int]) -> None:
-        """D, push: register the blocks D lacks with P, or tell P it is not needed."""
-        assert self.consumer is not None
-        rid, pd_id = request.request_id, str(params.pd_request_id)
-        if num_external_tokens == 0:
-            self.heartbeats.untrack(rid)
-            self.consumer.abandon(rid, pd_id, endpoint, "prompt fully cached on D")
-            return
-        num_local_hit = request.num_prompt_tokens - num_external_tokens
-        first_block, partial = divmod(num_local_hit, self.block_size)
-        need = -(-request.num_prompt_tokens // self.block_size) - first_block
-        local = compat.new_block_ids(blocks)
-        problem = None
-        if partial:
-            problem = (f"D's prefix-cache hit of {num_local_hit} tokens is not a whole number "
-                       f"of {self.block_size}-token blocks")
-        elif need <= 0 or len(local) < need:
-            problem = (f"block layout mismatch: the prompt needs {need} blocks from P, D "
-                       f"allocated {len(local)}")
-        d.loading = True
-        if problem is not None:
-            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
-            self._pending_fail[rid] = (FailureReason.LAYOUT.value, problem)
-            self.heartbeats.untrack(rid)
-            self.consumer.abandon(rid, pd_id, endpoint, "layout mismatch on D")
-            return
-        self._pending_push.append(PushRecvSpec(rid, pd_id, local[:need], num_external_tokens))
-        self.consumer.register(rid, pd_id, endpoint, str(params.remote_engine_id), first_block,
-                               local[:need], request.num_prompt_tokens)
+        else:
+            self._pending_push.append(spec)
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():

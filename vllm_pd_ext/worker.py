@@ -7,9 +7,9 @@ Lifecycle:
    start this rank's role and publish ``PDHandshakeMetadata`` for the
    scheduler's side channel. Roles, one module each:
 
-   - D, pull: ``pull_reader.PullReader`` reads P's blocks;
-   - D, push: ``push_receiver.PushReceiver`` waits for P's WRITEs;
-   - P, push: ``pusher.Pusher`` posts the WRITEs its scheduler orders;
+   - D, pull: ``d_pull_worker.PullReader`` reads P's blocks;
+   - D, push: ``d_push_worker.PushReceiver`` waits for P's WRITEs;
+   - P, push: ``p_push_worker.Pusher`` posts the WRITEs its scheduler orders;
    - P, pull: nothing runs here (D reads; the scheduler half pins).
 2. Every step, ``start_load_kv`` hands the scheduler's specs to the role and
    lets it advance (never blocking the step).
@@ -27,13 +27,13 @@ from typing import Any
 
 from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
+from vllm_pd_ext.d_pull_worker import PullReader, RecvJob
+from vllm_pd_ext.d_push_worker import PushReceiver
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
+from vllm_pd_ext.p_push_worker import Pusher
 from vllm_pd_ext.policy import FailureReason, LoadReport
 from vllm_pd_ext.protocol import AgentInfo, Region
-from vllm_pd_ext.pull_reader import PullReader, RecvJob
-from vllm_pd_ext.push_receiver import PushReceiver
-from vllm_pd_ext.pusher import Pusher
 from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.transport import Transport
 

@@ -80,3 +80,55 @@ def serve_write_target(conn, nbytes: int) -> None:
         pass
     t.close()
     conn.send("closed")
+
+
+def read_from_killed(conn, metadata: bytes, remote_addr: int, block: int) -> None:
+    """The initiator of the killed-peer test, in a child of its own.
+
+    READs one block (expects DONE), sends ``"read"``, waits for ``"killed"``
+    (the parent SIGKILLed the target), then tries three READs and sends
+    ``(outcomes, seconds, removed_ok)``. It leaves with ``os._exit``: UCX
+    1.x can abort (``ucs_arbiter_group_is_empty``) while destroying a worker
+    whose peer died with requests in flight; that teardown is UCX's, happens
+    only at shutdown, and must not take the test runner with it.
+    """
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    import time
+
+    from vllm_pd_ext.transport import TransportError, XferState
+    from vllm_pd_ext.transport.nixl import NixlTransport
+
+    buf = (ctypes.c_uint8 * (4 * block))()
+    addr = ctypes.addressof(buf)
+    t = NixlTransport(f"initiator-{os.getpid()}", ["UCX"], progress_thread=False)
+    t.register([(addr, 4 * block)], "DRAM", 0)
+
+    def read(offset: int, timeout: float) -> str:
+        try:
+            handle = t.post_read(peer, [(addr + offset, remote_addr + offset, block)], 0)
+        except TransportError as exc:
+            return f"TransportError: {exc}"
+        deadline = time.monotonic() + timeout
+        state = t.poll(handle)
+        while state is XferState.PROC and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            state = t.poll(handle)
+        if state is not XferState.PROC:
+            t.release(handle)
+        return state.value
+
+    peer = t.add_peer(metadata)
+    first = read(0, 20.0)
+    conn.send(("read", first, ctypes.string_at(addr, block)))
+    conn.recv()  # "killed"
+    t0 = time.monotonic()
+    outcomes = [read(block * (i + 1), 10.0) for i in range(3)]
+    elapsed = time.monotonic() - t0
+    try:
+        t.remove_peer(peer)  # gone peers can be removed without raising
+        removed = True
+    except Exception:
+        removed = False
+    conn.send((outcomes, elapsed, removed))
+    conn.close()
+    os._exit(0)

@@ -111,7 +111,7 @@ def test_counters(service, clock):
         num_live=0, num_heartbeats=2, num_late_messages=1, num_expired=1, num_renewals=1)
 
 
-@pytest.mark.parametrize("name", ["scheduler.py", "push_producer.py", "side_channel.py"])
+@pytest.mark.parametrize("name", ["scheduler.py", "p_push_scheduler.py", "side_channel.py"])
 def test_callers_use_the_owners_operations(name):
     """Only LeaseService touches the table and its lock."""
     text = (SRC / name).read_text(encoding="utf-8")

@@ -16,8 +16,8 @@ import torch
 from pdunit_utils import free_port, wait_for
 from test_worker_fake import BLOCK, fake_vllm_config, kv_tensors
 
+from vllm_pd_ext import d_pull_worker
 from vllm_pd_ext import protocol as proto
-from vllm_pd_ext import pull_reader
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.lease_service import LeaseService
@@ -272,8 +272,8 @@ def test_peers_that_come_and_go_leave_nothing_behind(world, monkeypatch) -> None
     """Item 10: 50 Ps each serve one load and go away; D's cached handshakes,
     NIXL agents, side-channel lanes (threads) and sockets return to their
     starting level once idle past their TTLs."""
-    monkeypatch.setattr(pull_reader, "PEER_IDLE_TTL_S", 0.3)
-    monkeypatch.setattr(pull_reader, "REAP_EVERY_S", 0.05)
+    monkeypatch.setattr(d_pull_worker, "PEER_IDLE_TTL_S", 0.3)
+    monkeypatch.setattr(d_pull_worker, "REAP_EVERY_S", 0.05)
     from vllm_pd_ext import outbox
     monkeypatch.setattr(outbox, "LANE_IDLE_TTL_S", 0.3)
     make_p, d, _, d_transport = world

@@ -21,11 +21,11 @@ import zmq
 from pdunit_utils import free_port, wait_for
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.d_push_worker import PushReceiver
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PushRecvSpec
-from vllm_pd_ext.push_receiver import PushReceiver
-from vllm_pd_ext.pusher import Pusher
+from vllm_pd_ext.p_push_worker import Pusher
 from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport

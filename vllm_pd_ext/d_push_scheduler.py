@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.metadata import LayoutProblem, PushRecvSpec
 from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.side_channel import SideChannelError
@@ -135,6 +136,35 @@ class PushConsumer:
         self._events: list[PushEvent] = []
 
     # ------------------------------------------------------------ scheduler
+    def allocate(self, rid: str, params: proto.KVTransferParams, num_prompt_tokens: int,
+                 num_external_tokens: int, local_blocks: list[int]
+                 ) -> PushRecvSpec | LayoutProblem | None:
+        """Register the blocks D lacks with P (called from
+        ``update_state_after_alloc``); None when D needs nothing from P."""
+        pd_id = str(params.pd_request_id)
+        endpoint = (str(params.remote_host), int(params.remote_port or 0))
+        if num_external_tokens == 0:
+            self.abandon(rid, pd_id, endpoint, "prompt fully cached on D")
+            return None
+        block_size = self.compat.block_size
+        num_local_hit = num_prompt_tokens - num_external_tokens
+        first_block, partial = divmod(num_local_hit, block_size)
+        need = -(-num_prompt_tokens // block_size) - first_block
+        problem = None
+        if partial:
+            problem = (f"D's prefix-cache hit of {num_local_hit} tokens is not a whole number "
+                       f"of {block_size}-token blocks")
+        elif need <= 0 or len(local_blocks) < need:
+            problem = (f"block layout mismatch: the prompt needs {need} blocks from P, D "
+                       f"allocated {len(local_blocks)}")
+        if problem is not None:
+            logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
+            self.abandon(rid, pd_id, endpoint, "layout mismatch on D")
+            return LayoutProblem(problem)
+        self.register(rid, pd_id, endpoint, str(params.remote_engine_id), first_block,
+                      local_blocks[:need], num_prompt_tokens)
+        return PushRecvSpec(rid, pd_id, local_blocks[:need], num_external_tokens)
+
     def register(self, request_id: str, pd_id: str, endpoint: Endpoint,
                  expect_engine_id: str, first_block: int, block_ids: list[int],
                  num_tokens: int) -> None:

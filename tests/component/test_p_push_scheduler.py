@@ -13,7 +13,7 @@ import zmq
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.push_producer import PushProducer
+from vllm_pd_ext.p_push_scheduler import PushProducer
 from vllm_pd_ext.pushbook import PushState
 
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",

@@ -21,7 +21,7 @@ from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.outbox import Outbox
-from vllm_pd_ext.pusher import Pusher
+from vllm_pd_ext.p_push_worker import Pusher
 from vllm_pd_ext.side_channel import SideChannelClient, SideChannelServer
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport

@@ -15,23 +15,14 @@ request is ever looped over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import RecvSpec
+from vllm_pd_ext.metadata import LayoutProblem, RecvSpec
 from vllm_pd_ext.protocol import KVTransferParams
 
 logger = get_logger(__name__)
 
 Endpoint = tuple[str, int]
-
-
-@dataclass(frozen=True)
-class LayoutProblem:
-    """Why a pull cannot be built; the load fails with LAYOUT."""
-
-    why: str
 
 
 class PullConsumer:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.push_consumer import (
+from vllm_pd_ext.d_push_scheduler import (
     ABORT_RETRY_S,
     DONE_GRACE_S,
     EventKind,

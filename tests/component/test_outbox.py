@@ -1,6 +1,6 @@
 """The outbox: ordered per peer, independent across peers, over real sockets.
 
-Lanes retire when idle; tests/unit/test_reaping.py checks that nothing of
+Lanes retire when idle; tests/component/test_reaping.py checks that nothing of
 theirs stays after their peers left.
 """
 
