@@ -339,7 +339,8 @@ class PullReader:
         if remaining < 0 or valid_until - self._clock() < margin:
             if remaining == proto.LEASE_UNKNOWN:
                 self._suspect(job.key, f"P does not know lease {spec.remote_request_id}")
-            what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted?)",
+            what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted, or the lease already "
+                                         "ended: a replayed P answer?)",
                     proto.LEASE_EXPIRED: "expired on P"}.get(remaining, "about to expire")
             raise LoadFailed(FailureReason.LEASE_LOST,
                              f"P's blocks for {spec.remote_request_id} are {what}",
