@@ -388,6 +388,14 @@ class PullReader:
         except LoadFailed:
             self._unuse(job)
             raise
+        except Exception as exc:
+            # A transport bug must fail this load, not the engine step. The
+            # poll after a post never raises (transport contract), so an
+            # exception here came from the post itself: nothing was posted.
+            logger.exception("PDConnector: READ post for %s raised", job.spec.request_id)
+            self._unuse(job)
+            raise LoadFailed(FailureReason.TRANSFER,
+                             f"READ post raised {type(exc).__name__}: {exc}") from exc
         if state is XferState.DONE:
             job.done_at = at
         job.state = RecvState.READING

@@ -491,3 +491,30 @@ def test_finished_loads_leave_no_trace_in_the_peer_slot(make_pair):
     assert len(recving) == 5 and not failed
     entry = pair.d_worker.reader._peers[("eng-p", HOST, pair.port)]
     assert entry.waiting == set() and entry.peer is not None and entry.peer.users == 0
+
+
+def test_unexpected_post_exception_fails_that_load_only(make_pair, monkeypatch):
+    """A transport bug (not a TransportError) in the post fails that load,
+    releases P's lease, and the worker step survives to load the next one."""
+    pair = make_pair()
+    pair.grant("p1")
+    pair.grant("p2")
+    real_post = pair.d_transport.post_read
+    calls = []
+
+    def buggy(peer, descs, device_id):
+        calls.append(peer)
+        if len(calls) == 1:
+            raise RuntimeError("transport bug")
+        return real_post(peer, descs, device_id)
+
+    monkeypatch.setattr(pair.d_transport, "post_read", buggy)
+    first = pair.spec("d1", local=(0, 1), remote=(2, 3), prid="p1")
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[first]), {"d1"})
+    assert failed == recving == {"d1"}
+    assert wait_for(lambda: pair.lease("p1").state is LeaseState.RELEASED)
+    second = pair.spec("d2", local=(4, 5), remote=(6, 7), prid="p2")
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[second]), {"d2"})
+    assert recving == {"d2"} and not failed
+    assert_blocks_copied(pair, second.local_block_ids, second.remote_block_ids)
+    assert pair.d_worker.reader is not None and pair.d_worker.reader.num_peers == 1
