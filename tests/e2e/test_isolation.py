@@ -125,7 +125,9 @@ def test_frozen_p_costs_only_its_own_loads(p1: Engine, p: Engine, d: Engine, ref
     assert "did not answer" in log
     # P1 is back: D hands off from it again, moving KV, with the same tokens.
     assert d.alive() and p1.alive()
-    body = completion_body(model, token_prompt(250, seed=1100), max_tokens=4)
+    # A seed the handoffs above never reach (they count up from 1000): a
+    # prompt D already holds would hit D's prefix cache, not move KV.
+    body = completion_body(model, token_prompt(250, seed=9000), max_tokens=4)
     m2 = d.metrics()
     _, status, got = timed_d_leg(d, body, prefill(p1, body))
     assert status == 200, got
