@@ -63,14 +63,14 @@ def test_frozen_p_costs_only_its_own_loads(p1: Engine, p: Engine, d: Engine, ref
         return elapsed, body, got
 
     # Before the freeze: P2's handoff p50, and P1's handshake cached on D.
-    before = [handoff(900 + i)[0] for i in range(5)]
+    before = [handoff(70_900 + i)[0] for i in range(5)]
     p50 = statistics.median(before)
     bound = max(1.0, 3 * p50)
-    warm = completion_body(model, token_prompt(200, seed=950), max_tokens=2)
+    warm = completion_body(model, token_prompt(200, seed=70_950), max_tokens=2)
     _, status, got = timed_d_leg(d, warm, prefill(p1, warm))
     assert status == 200, got
 
-    stuck_bodies = [completion_body(model, token_prompt(150, seed=960 + i), max_tokens=2)
+    stuck_bodies = [completion_body(model, token_prompt(150, seed=70_960 + i), max_tokens=2)
                     for i in range(8)]
     stuck_params = [prefill(p1, b) for b in stuck_bodies]
     answers: list[tuple[float, int, dict[str, Any]]] = []
@@ -92,7 +92,7 @@ def test_frozen_p_costs_only_its_own_loads(p1: Engine, p: Engine, d: Engine, ref
         during = []
         outputs = []
         t_end = time.monotonic() + 7.0  # past D's 5 s side-channel timeout to P1
-        seed = 1000
+        seed = 71_000
         while time.monotonic() < t_end:
             elapsed, body, got = handoff(seed)
             during.append(elapsed)
@@ -125,9 +125,9 @@ def test_frozen_p_costs_only_its_own_loads(p1: Engine, p: Engine, d: Engine, ref
     assert "did not answer" in log
     # P1 is back: D hands off from it again, moving KV, with the same tokens.
     assert d.alive() and p1.alive()
-    # A seed the handoffs above never reach (they count up from 1000): a
+    # A seed the handoffs above never reach (they count up from 71,000): a
     # prompt D already holds would hit D's prefix cache, not move KV.
-    body = completion_body(model, token_prompt(250, seed=9000), max_tokens=4)
+    body = completion_body(model, token_prompt(250, seed=79_000), max_tokens=4)
     m2 = d.metrics()
     _, status, got = timed_d_leg(d, body, prefill(p1, body))
     assert status == 200, got
