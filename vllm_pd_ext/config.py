@@ -35,9 +35,15 @@ class PDConfig:
     #: Seconds D waits for one request's KV (handshake, pin, READs) before
     #: reporting a failed load.
     transfer_timeout: float = 30.0
-    #: Push: seconds D waits from registering its blocks until P's WRITE has
-    #: landed (covers P's queueing and prefill); P posts no WRITE later.
+    #: Push: seconds D waits for P's WRITE without P confirming that it holds
+    #: the request (queued or prefilling); the registration's ``ttl`` on P.
     push_timeout: float = 60.0
+    #: Push, D: the longest D waits for P's WRITE while P keeps confirming
+    #: the request is queued there.
+    push_queue_timeout: float = 600.0
+    #: Push, D: the longest one engine step with nothing to do sleeps while D
+    #: waits for pushed KV (a notification ends it at once); 0 disables.
+    push_idle_wait_ms: float = 10.0
     #: Seconds for one side-channel round trip (handshake, pin).
     handshake_timeout: float = 5.0
     nixl_backends: tuple[str, ...] = ("UCX",)
@@ -163,6 +169,8 @@ _VALIDATORS: dict[str, Any] = {
     "heartbeat_interval": _positive,
     "transfer_timeout": _positive,
     "push_timeout": _positive,
+    "push_queue_timeout": _positive,
+    "push_idle_wait_ms": _non_negative,
     "handshake_timeout": _positive,
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,

@@ -17,6 +17,14 @@ One wait's life (``WaitState``; replies arrive as ``PushEvent`` records)::
       failed                 ABORTING --(P: aborted/unknown/done/failed)--> failed
                                    \\--(P: in_flight)--> IN_FLIGHT: ask again in 1 s
 
+While REGISTERED, D renews the registration every ``push_timeout / 4``
+(``PushWaiting``). P answers ``queued`` while it holds the request (its own
+leg is queued or prefilling) and then keeps the registration for another
+``ttl``; D then moves its deadline to ``push_timeout`` from that answer, up to
+``push_queue_timeout`` after registering. A long P queue at a load P can
+sustain is therefore waited out, and ``push_timeout`` only bounds a P that
+does not hold the request (never got it, lost it, or does not answer).
+
 D reuses the blocks only when P said no WRITE can land any more: it refused
 the registration, reported its WRITE settled, or answered an abort with a
 safe state. If P cannot be reached, D waits until P's WRITE window has
@@ -80,6 +88,10 @@ class EventKind(enum.Enum):
     REFUSED = "refused"
     #: P's ``PushResult(ok=False)``: the WRITE failed and settled.
     FAILED = "failed"
+    #: P answered a renewal (``PushWaiting``); ``detail`` is P's state.
+    RENEWED = "renewed"
+    #: A renewal got an error or no answer (``detail``).
+    RENEW_ERROR = "renew_error"
     #: P answered an abort (``PushEvent.abort_state``).
     ABORT_STATUS = "abort_status"
     #: An abort got no answer (or an error).
@@ -113,13 +125,19 @@ class PushWait:
     next_abort: float = 0.0
     done_seen: bool = False
     why: str = ""
+    registered_at: float = 0.0
+    #: When the next renewal (``PushWaiting``) leaves; one at a time.
+    renew_at: float = math.inf
+    renewing: bool = False
+    #: P confirmed it holds the request (queued or prefilling).
+    queued: bool = False
 
 
 class PushConsumer:
     def __init__(self, engine_id: str, compat: proto.CompatInfo, host: str, port: int,
                  push_timeout_s: float, side_channel_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, *,
-                 write_timeout_s: float = 30.0) -> None:
+                 write_timeout_s: float = 30.0, queue_timeout_s: float = 600.0) -> None:
         self.engine_id = engine_id
         self.compat = compat
         self.host = host
@@ -127,6 +145,10 @@ class PushConsumer:
         self.push_timeout_s = push_timeout_s
         self.side_channel_timeout_s = side_channel_timeout_s
         self.write_timeout_s = write_timeout_s
+        self.queue_timeout_s = max(queue_timeout_s, push_timeout_s)
+        self.renew_every_s = push_timeout_s / 4
+        #: Called after another thread queued an event (wakes D's idle wait).
+        self.on_event: Callable[[], None] | None = None
         self.agents: list[proto.AgentInfo] = []
         self._clock = clock
         self._outbox = Outbox(side_channel_timeout_s, name="pd-push-register")
@@ -170,7 +192,8 @@ class PushConsumer:
                  num_tokens: int) -> None:
         now = self._clock()
         wait = PushWait(request_id, pd_id, endpoint,
-                        deadline=now + self.push_timeout_s + self.side_channel_timeout_s)
+                        deadline=now + self.push_timeout_s + self.side_channel_timeout_s,
+                        registered_at=now)
         self._waits[request_id] = wait
         with self._lock:
             self._by_pd[pd_id] = request_id
@@ -227,9 +250,11 @@ class PushConsumer:
                                  "P reports its WRITE done but no completion notification "
                                  "arrived", out)
                     continue
-                wait.why = wait.why or (f"no KV from P within push_timeout "
-                                        f"({self.push_timeout_s:.1f} s)")
+                wait.why = wait.why or self._deadline_why(wait, now)
                 self._send_abort(wait, "deadline passed on D")
+            elif (not wait.abort_sent and wait.state is WaitState.REGISTERED
+                  and not wait.renewing and now >= wait.renew_at):
+                self._send_renewal(wait, now)
             elif (wait.abort_sent and wait.state is WaitState.IN_FLIGHT
                   and now >= wait.next_abort):
                 # (state becomes ABORTING until P answers: never two at once)
@@ -240,6 +265,31 @@ class PushConsumer:
     def num_waiting(self) -> int:
         return len(self._waits)
 
+    def _deadline_why(self, wait: PushWait, now: float) -> str:
+        if wait.queued:
+            return (f"no KV from P within push_queue_timeout ({self.queue_timeout_s:.1f} s) "
+                    "although P reported the request queued (waited "
+                    f"{now - wait.registered_at:.1f} s)")
+        return (f"no KV from P within push_timeout ({self.push_timeout_s:.1f} s); P never "
+                "confirmed it holds the request (did the prefill leg reach it?)")
+
+    def _send_renewal(self, wait: PushWait, now: float) -> None:
+        wait.renewing = True
+        wait.renew_at = now + self.renew_every_s
+        rid = wait.request_id
+        self._outbox.send(wait.endpoint[0], wait.endpoint[1], proto.PushWaiting(
+            engine_id=self.engine_id, pd_request_id=wait.pd_request_id),
+            lambda r: self._on_renew_reply(rid, r))
+
+    def _confirmed_queued(self, wait: PushWait, now: float) -> None:
+        """P holds the request and keeps the registration until ``now + ttl``."""
+        wait.queued = True
+        cap = wait.registered_at + self.queue_timeout_s + self.side_channel_timeout_s
+        wait.deadline = max(wait.deadline, min(
+            cap, now + self.push_timeout_s + self.side_channel_timeout_s))
+        wait.window_closes = max(wait.window_closes, now + self.push_timeout_s
+                                 + self.write_timeout_s)
+
     # ------------------------------------------------------------ threads
     def on_result(self, msg: proto.PushResult) -> proto.Reply:
         """Side-channel thread: P's WRITE failed and settled."""
@@ -247,6 +297,8 @@ class PushConsumer:
             rid = self._by_pd.get(msg.pd_request_id)
             if rid is not None:
                 self._events.append(PushEvent(rid, EventKind.FAILED, msg.detail))
+        if rid is not None and self.on_event is not None:
+            self.on_event()
         if rid is None:
             logger.info("PDConnector: push result for unknown %s from engine %s (ok=%s)",
                         msg.pd_request_id, msg.engine_id, msg.ok)
@@ -264,8 +316,23 @@ class PushConsumer:
             event = PushEvent(rid, EventKind.REFUSED, str(reply),
                               reason=FailureReason.INCOMPATIBLE if code == "incompatible"
                               else FailureReason.HANDSHAKE)
+        self._queue(event)
+
+    def _on_renew_reply(self, rid: str, reply: proto.Reply | SideChannelError) -> None:
+        if isinstance(reply, proto.PushAccepted):
+            self._queue(PushEvent(rid, EventKind.RENEWED, str(reply.state)))
+        elif isinstance(reply, SideChannelError) and not reply.refused:
+            # No answer: P may have renewed, so its window may be longer.
+            self._queue(PushEvent(rid, EventKind.RENEW_ERROR, str(reply)))
+        else:
+            # A definite "no" (unknown, refused): nothing was renewed.
+            self._queue(PushEvent(rid, EventKind.RENEWED, f"not renewed: {reply}"))
+
+    def _queue(self, event: PushEvent) -> None:
         with self._lock:
             self._events.append(event)
+        if self.on_event is not None:
+            self.on_event()
 
     def _on_abort_reply(self, rid: str, reply: proto.Reply | SideChannelError) -> None:
         if isinstance(reply, proto.PushAbortStatus):
@@ -274,8 +341,7 @@ class PushConsumer:
                               abort_state=proto.PushAbortState(reply.state))
         else:
             event = PushEvent(rid, EventKind.ABORT_ERROR, str(reply))
-        with self._lock:
-            self._events.append(event)
+        self._queue(event)
 
     # ------------------------------------------------------------ internals
     def _apply(self, wait: PushWait, event: PushEvent,
@@ -285,6 +351,20 @@ class PushConsumer:
         if kind is EventKind.ACCEPTED:
             wait.state = WaitState.REGISTERED
             wait.window_closes = now + self.push_timeout_s + self.write_timeout_s
+            wait.renew_at = now + self.renew_every_s
+            if detail == proto.PushAcceptedState.QUEUED:
+                self._confirmed_queued(wait, now)
+        elif kind is EventKind.RENEWED:
+            wait.renewing = False
+            if detail == proto.PushAcceptedState.QUEUED:
+                self._confirmed_queued(wait, now)
+        elif kind is EventKind.RENEW_ERROR:
+            wait.renewing = False
+            # P may have renewed before the answer was lost: assume it did.
+            wait.window_closes = max(wait.window_closes, now + self.side_channel_timeout_s
+                                     + self.push_timeout_s + self.write_timeout_s)
+            logger.warning("PDConnector: renewing the push registration of %s with %s:%d "
+                           "failed: %s", wait.request_id, *wait.endpoint, detail)
         elif kind is EventKind.UNCONFIRMED:
             wait.window_closes = (now + self.side_channel_timeout_s + self.push_timeout_s
                                   + self.write_timeout_s)

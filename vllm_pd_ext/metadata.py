@@ -61,3 +61,6 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     agent: AgentInfo
     #: Push producers: the worker's write-order socket (tcp://127.0.0.1:port).
     order_endpoint: str | None = None
+    #: Push consumers: the worker's wake socket for the scheduler's idle wait
+    #: (``idle_wait.Waker``).
+    wake_endpoint: str | None = None

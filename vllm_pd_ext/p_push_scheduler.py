@@ -8,6 +8,12 @@ when a worker reports its WRITE settled) and the scheduler thread
 the lease owner's lock: every section that touches it runs in
 ``LeaseService.atomic()``, together with the lease operations it needs.
 
+P's own leg is ``admit``-ted when it arrives (scheduler thread,
+``on_new_request``) and retired when it finishes; while P holds it, D's
+``PushWaiting`` renews the registration (answered ``queued``), so D's wait
+covers P's queue however long it is, and a registration expires only for a
+request P never saw.
+
 Whichever of registration and prefill comes second orders the WRITEs at
 once, on its own thread: P's workers post them from their own push thread,
 so a WRITE never waits for an engine step (an idle P does not step).
@@ -33,6 +39,13 @@ from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.pushbook import TOMBSTONES, Match, Prefill, PushBook, PushRefused, PushState
 
 logger = get_logger(__name__)
+
+
+_REGISTERED_LOG = {
+    proto.PushAcceptedState.WRITING: "writing",
+    proto.PushAcceptedState.QUEUED: "prefill not finished yet (request queued here)",
+    proto.PushAcceptedState.WAITING: "prefill not finished yet (request not seen here yet)",
+}
 
 
 class PushProducer:
@@ -75,6 +88,8 @@ class PushProducer:
     def handle(self, msg: proto.Request) -> proto.Reply:
         if isinstance(msg, proto.PushRegister):
             return self._register(msg)
+        if isinstance(msg, proto.PushWaiting):
+            return self._waiting(msg)
         if isinstance(msg, proto.PushAbort):
             return self._abort(msg)
         return proto.ErrorReply("not_consumer", f"engine {self.engine_id} is a push producer; "
@@ -98,14 +113,48 @@ class PushProducer:
                 return proto.ErrorReply("refused", str(exc))
             if match is not None:
                 self._start(match)
+                state = proto.PushAcceptedState.WRITING
+            elif self.book.is_admitted(msg.pd_request_id):
+                state = proto.PushAcceptedState.QUEUED
+            else:
+                state = proto.PushAcceptedState.WAITING
         logger.info("PDConnector: push registration %s from engine %s (request %s): %d blocks "
                     "from block %d; %s", msg.pd_request_id, msg.engine_id, msg.request_id,
-                    len(msg.block_ids), msg.first_block,
-                    "prefill not finished yet" if match is None else "writing")
-        return proto.PushAccepted(
-            engine_id=self.engine_id,
-            state=proto.PushAcceptedState.WAITING if match is None
-            else proto.PushAcceptedState.WRITING)
+                    len(msg.block_ids), msg.first_block, _REGISTERED_LOG[state])
+        return proto.PushAccepted(engine_id=self.engine_id, state=state)
+
+    def _waiting(self, msg: proto.PushWaiting) -> proto.Reply:
+        """D still waits: renew the registration while P holds the request."""
+        pd_id = msg.pd_request_id
+        with self.leases.atomic():
+            reg = self.book.registration(pd_id)
+            if reg is not None and reg.engine_id != msg.engine_id:
+                return proto.ErrorReply(
+                    "refused", f"push {pd_id} was registered by engine {reg.engine_id}, not "
+                    f"{msg.engine_id}")
+            state = self.book.renew(pd_id)
+            admitted = self.book.is_admitted(pd_id)
+        if state is PushState.REGISTERED:
+            return proto.PushAccepted(
+                engine_id=self.engine_id,
+                state=proto.PushAcceptedState.QUEUED if admitted
+                else proto.PushAcceptedState.WAITING)
+        if state is PushState.WRITING or state is PushState.DONE:
+            return proto.PushAccepted(engine_id=self.engine_id,
+                                      state=proto.PushAcceptedState.WRITING)
+        return proto.ErrorReply("unknown", f"no push registration {pd_id} waits here "
+                                f"({state.value})")
+
+    # ------------------------------------------------------------ P's own leg
+    def admit(self, pd_id: str) -> None:
+        """P's leg of ``pd_id`` arrived (scheduler thread)."""
+        with self.leases.atomic():
+            self.book.admit(pd_id)
+
+    def retire(self, pd_id: str) -> None:
+        """P's leg of ``pd_id`` finished, however it ended (scheduler thread)."""
+        with self.leases.atomic():
+            self.book.retire(pd_id)
 
     def _abort(self, msg: proto.PushAbort) -> proto.Reply:
         with self.leases.atomic():

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -340,12 +340,26 @@ class PushAcceptedState(enum.StrEnum):
     WAITING = "waiting"
     #: The prefill had finished: P ordered the WRITE.
     WRITING = "writing"
+    #: P holds the request (queued or prefilling): the registration is kept
+    #: for another ``ttl`` from now (protocol 3).
+    QUEUED = "queued"
 
 
 class PushAccepted(msgspec.Struct, frozen=True, tag="push_accepted", kw_only=True):
     engine_id: str
     #: Any other string is refused at decode (``Invalid enum value ... $.state``).
     state: PushAcceptedState
+
+
+class PushWaiting(msgspec.Struct, frozen=True, tag="push_waiting", kw_only=True):
+    """D -> P (push, protocol 3): D still waits for ``pd_request_id``. P
+    answers ``PushAccepted``: ``queued`` (P holds the request; the
+    registration's window is renewed to ``ttl`` from now), ``waiting`` (the
+    registration stands, P has not seen the request: no renewal) or
+    ``writing``; an unknown id is an ``unknown`` error."""
+
+    engine_id: EngineId
+    pd_request_id: RequestId
 
 
 class PushAbort(msgspec.Struct, frozen=True, tag="push_abort", kw_only=True):
@@ -423,7 +437,8 @@ def parse_push_notif(msg: bytes) -> str | None:
     return msg[4:].decode(errors="replace") if msg.startswith(b"pdx:") else None
 
 
-Request = HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushAbort | PushResult
+Request = (HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushWaiting | PushAbort
+           | PushResult)
 Reply = HandshakeReply | LeaseStatus | Ack | ErrorReply | PushAccepted | PushAbortStatus
 
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -24,6 +24,13 @@ Lifecycle of one id:
 4. ``sweep`` drops registrations whose window closed before their prefill
    finished (tombstoned ``EXPIRED``: a late prefill is freed at once).
 
+Queueing (protocol 3): ``admit`` records that P holds the request itself
+(its P leg arrived: queued or prefilling) until ``prefill_done`` /
+``prefill_failed`` / ``retire``. While it does, D's ``renew`` moves the
+registration's window to ``ttl`` from now, so a long P queue does not expire
+a registration whose prefill is still coming. Only D's renewal moves it, so
+D always knows the window it must assume if P becomes unreachable.
+
 ``PushBook.state`` names where an id stands (``PushState``): ``REGISTERED``,
 ``PREFILLED``, ``WRITING``, one of the ``TOMBSTONES``, or ``UNKNOWN``.
 
@@ -95,6 +102,7 @@ class _Registration(Generic[R]):
     reg: R
     received_at: float
     post_before: float
+    ttl_s: float
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,35 @@ class PushBook(Generic[R]):
         self._tombstones: OrderedDict[str, PushState] = OrderedDict()
         self._max_tombstones = max_tombstones
         self.num_expired_registrations = 0
+        #: Requests P holds itself (queued or prefilling), by pd_request_id.
+        self._admitted: set[str] = set()
+
+    # ------------------------------------------------------------ queueing
+    def admit(self, pd_id: str) -> None:
+        """P's own leg of ``pd_id`` arrived (it is queued or prefilling)."""
+        self._admitted.add(pd_id)
+
+    def retire(self, pd_id: str) -> None:
+        """P's leg of ``pd_id`` ended (its prefill finished or failed)."""
+        self._admitted.discard(pd_id)
+
+    def is_admitted(self, pd_id: str) -> bool:
+        return pd_id in self._admitted
+
+    def registration(self, pd_id: str) -> R | None:
+        """The waiting registration of ``pd_id``, if any."""
+        entry = self._regs.get(pd_id)
+        return entry.reg if entry is not None else None
+
+    def renew(self, pd_id: str) -> PushState:
+        """D still waits. A ``REGISTERED`` id whose request P holds gets its
+        window moved to ``ttl`` from now; returns the id's state (``REGISTERED``
+        whether or not it was renewed: see ``is_admitted``)."""
+        entry = self._regs.get(pd_id)
+        if entry is not None and pd_id in self._admitted:
+            entry.post_before = self._clock() + entry.ttl_s
+            heapq.heappush(self._deadlines, (entry.post_before, next(self._seq), pd_id, entry))
+        return self.state(pd_id)
 
     # ------------------------------------------------------------ arrivals
     def register(self, pd_id: str, reg: R, ttl_s: float, num_ranks: int) -> Match[R] | None:
@@ -139,7 +176,7 @@ class PushBook(Generic[R]):
         if pd_id in self._regs or pd_id in self._writing:
             raise PushRefused(f"pd_request_id {pd_id!r} is already registered")
         now = self._clock()
-        entry = _Registration(reg, now, now + ttl_s)
+        entry = _Registration(reg, now, now + ttl_s, ttl_s)
         prefill = self._prefills.pop(pd_id, None)
         if prefill is None:
             self._regs[pd_id] = entry
@@ -153,6 +190,7 @@ class PushBook(Generic[R]):
         id's state when this prefill cannot be used and the caller frees its
         blocks at once: a tombstone (D gave up, or the id is finished), or
         ``PREFILLED`` / ``WRITING`` (a duplicate prefill)."""
+        self._admitted.discard(pd_id)
         if pd_id in self._tombstones:
             return self._tombstones[pd_id]
         if pd_id in self._prefills:
@@ -170,6 +208,7 @@ class PushBook(Generic[R]):
         """P's prefill ended without KV (aborted, rejected). Returns the
         waiting registration, if any, so the caller can tell D at once; the
         id is tombstoned ``failed`` either way."""
+        self._admitted.discard(pd_id)
         if pd_id in self._writing or pd_id in self._prefills:
             return None
         entry = self._regs.pop(pd_id, None)
@@ -222,9 +261,9 @@ class PushBook(Generic[R]):
         gone: list[str] = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
-            _, _, pd_id, entry = heapq.heappop(heap)
-            if self._regs.get(pd_id) is not entry:
-                continue  # matched, aborted or failed since
+            due, _, pd_id, entry = heapq.heappop(heap)
+            if self._regs.get(pd_id) is not entry or entry.post_before > due:
+                continue  # matched, aborted or failed since, or renewed (pushed again)
             del self._regs[pd_id]
             self._tombstone(pd_id, PushState.EXPIRED)
             gone.append(pd_id)
@@ -250,6 +289,10 @@ class PushBook(Generic[R]):
         return {PushState.REGISTERED.value: len(self._regs),
                 PushState.PREFILLED.value: len(self._prefills),
                 PushState.WRITING.value: len(self._writing)}
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self._admitted)
 
     def _tombstone(self, pd_id: str, state: PushState) -> None:
         assert state in TOMBSTONES, state

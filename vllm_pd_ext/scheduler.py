@@ -48,6 +48,7 @@ from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.d_pull_scheduler import PullConsumer
 from vllm_pd_ext.d_push_scheduler import PushConsumer
 from vllm_pd_ext.heartbeats import HeartbeatSender
+from vllm_pd_ext.idle_wait import IdleWait, should_wait
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseTable
 from vllm_pd_ext.log import get_logger
@@ -123,7 +124,14 @@ class PDScheduler:
                                          self.tp_size, self.leases, cfg.handshake_timeout)
             self.consumer = PushConsumer(self.engine_id, self.compat, self.host, self.port,
                                          cfg.push_timeout, cfg.handshake_timeout,
-                                         write_timeout_s=cfg.transfer_timeout)
+                                         write_timeout_s=cfg.transfer_timeout,
+                                         queue_timeout_s=cfg.push_queue_timeout)
+        #: D, push: sleeps through empty steps while D waits for P (idle_wait.py).
+        self.idle: IdleWait | None = None
+        if (self.consumer is not None and cfg.push_idle_wait_ms > 0
+                and vllm_config.kv_transfer_config.is_kv_consumer):
+            self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
+            self.consumer.on_event = self.idle.wake
 
     # ---------------------------------------------------------------- startup
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
@@ -138,6 +146,9 @@ class PDScheduler:
             self.consumer.agents = [agents[r] for r in sorted(agents)]
         if self.producer is not None and orders:
             self.producer.bind_workers(orders)
+        if self.idle is not None:
+            self.idle.connect([m.wake_endpoint for m in metadata.values()
+                               if isinstance(m, PDHandshakeMetadata) and m.wake_endpoint])
         self._server = SideChannelServer(
             self.host, self.port, self.engine_id, self.compat, agents, self.leases,
             push=_PushDispatch(self) if self.push else None)
@@ -161,6 +172,12 @@ class PDScheduler:
             self._refuse(rid, str(exc))
             return
         if params is None or not params.do_remote_prefill:
+            if (params is not None and params.do_remote_decode and self.producer is not None
+                    and params.mode == "push" and not params.pd_ext_probe
+                    and params.pd_request_id):
+                # P holds this request from now: D's renewals keep its
+                # registration while it queues here.
+                self.producer.admit(str(params.pd_request_id))
             return
         if params.mode != self.cfg.transfer_mode:
             self._refuse(rid, f"kv_transfer_params.transfer_mode={params.mode!r} but this engine "
@@ -253,6 +270,12 @@ class PDScheduler:
             push_recv=self._pending_push, push_fail=push_fail)
         self._pending_recv, self._pending_fail, self._pending_push = [], {}, []
         self._sweep()
+        if self.idle is not None and self.consumer is not None and should_wait(
+                int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)),
+                self.consumer.num_waiting,
+                bool(meta.reqs_to_recv or meta.reqs_to_fail or meta.push_recv or push_fail),
+                len(getattr(scheduler_output, "finished_req_ids", ()) or ())):
+            self.idle.wait()
         return meta
 
     def _sweep(self) -> list[str]:
@@ -296,6 +319,8 @@ class PDScheduler:
             return False, None
         if params is None or not params.do_remote_decode:
             return False, None
+        if self.producer is not None and params.mode == "push" and params.pd_request_id:
+            self.producer.retire(str(params.pd_request_id))
         identity = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -405,6 +430,8 @@ class PDScheduler:
             self.producer.close()
         if self.consumer is not None:
             self.consumer.close()
+        if self.idle is not None:
+            self.idle.close()
         if self._server is not None:
             self._server.close()
 

@@ -91,6 +91,7 @@ class SideChannelServer:
             proto.LeaseRenew: self._on_renew,
             proto.LeaseRelease: self._on_release,
             proto.PushRegister: self._on_push_register,
+            proto.PushWaiting: self._on_push,
             proto.PushAbort: self._on_push,
             proto.PushResult: self._on_push,
         }
@@ -188,8 +189,8 @@ class SideChannelServer:
             return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
         return self._on_push(msg)
 
-    def _on_push(self, msg: proto.PushRegister | proto.PushAbort | proto.PushResult
-                 ) -> proto.Reply:
+    def _on_push(self, msg: proto.PushRegister | proto.PushWaiting | proto.PushAbort
+                 | proto.PushResult) -> proto.Reply:
         if self.push is None:
             return proto.ErrorReply(
                 "not_push", f"engine {self.engine_id} does not run transfer_mode='push'")

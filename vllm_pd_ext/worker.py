@@ -29,6 +29,7 @@ from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.d_pull_worker import PullReader, RecvJob
 from vllm_pd_ext.d_push_worker import PushReceiver
+from vllm_pd_ext.idle_wait import Waker
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from vllm_pd_ext.p_push_worker import Pusher
@@ -62,6 +63,7 @@ class PDWorker:
         self.reader: PullReader | None = None
         self.pusher: Pusher | None = None
         self.receiver: PushReceiver | None = None
+        self.waker: Waker | None = None
 
     # ------------------------------------------------------------- startup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -94,11 +96,15 @@ class PDWorker:
         # The transfer's target must progress for UCX wire-up (and, in push,
         # to collect notifications): P in pull mode, D in push mode.
         target = kv_cfg.is_kv_consumer if push else kv_cfg.is_kv_producer
+        if push and kv_cfg.is_kv_consumer and self.cfg.push_idle_wait_ms > 0:
+            # Ends D's scheduler's idle wait the moment a WRITE's notification lands.
+            self.waker = Waker()
         if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
             # Only push's receiver takes notifications; in pull they would pile up.
-            self.transport.start_progress_pump(self.cfg.nixl_progress_interval_ms / 1e3,
-                                               keep_notifs=push)
+            self.transport.start_progress_pump(
+                self.cfg.nixl_progress_interval_ms / 1e3, keep_notifs=push,
+                on_notif=self.waker.wake if self.waker is not None else None)
         if push and kv_cfg.is_kv_producer:
             own = (self.cfg.side_channel_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
@@ -127,7 +133,8 @@ class PDWorker:
             return None
         return PDHandshakeMetadata(
             agent=self.agent,
-            order_endpoint=self.pusher.endpoint if self.pusher is not None else None)
+            order_endpoint=self.pusher.endpoint if self.pusher is not None else None,
+            wake_endpoint=self.waker.endpoint if self.waker is not None else None)
 
     # ------------------------------------------------------------- per step
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:
@@ -227,3 +234,5 @@ class PDWorker:
             self.reader.close()
         if self.transport is not None:
             self.transport.close()
+        if self.waker is not None:
+            self.waker.close()

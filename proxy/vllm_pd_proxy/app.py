@@ -1,7 +1,7 @@
 """The aiohttp application: routes, shared state and its lifecycle.
 
-``create_app(config)`` builds the pools, routing policies and metrics
-(request-independent, no I/O) and registers :func:`_upstream_ctx` as a
+``create_app(config)`` builds the pools, routing policies, metrics and the
+prefill gate (back-pressure; request-independent, no I/O) and registers :func:`_upstream_ctx` as a
 cleanup context. On startup that context opens the one long-lived
 ``ClientSession`` (bounded ``TCPConnector`` pool) used for every backend call,
 builds the :class:`~vllm_pd_proxy.health.HealthMonitor` and
@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from . import errors
+from .admission import PrefillGate
 from .backends import Pool
 from .config import ProxyConfig
 from .forward import Forwarder
@@ -36,6 +37,7 @@ CONFIG = web.AppKey("config", ProxyConfig)
 PREFILL = web.AppKey("prefill_pool", Pool)
 DECODE = web.AppKey("decode_pool", Pool)
 METRICS = web.AppKey("metrics", Metrics)
+GATE = web.AppKey("prefill_gate", PrefillGate)
 MONITOR = web.AppKey("monitor", HealthMonitor)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -56,6 +58,13 @@ def create_app(
     app[PREFILL] = prefill
     app[DECODE] = decode
     app[METRICS] = Metrics([prefill, decode])
+    app[GATE] = PrefillGate(
+        prefill,
+        config.max_inflight_per_prefill,
+        config.max_queued,
+        config.queue_timeout,
+        app[METRICS],
+    )
     app.cleanup_ctx.append(_upstream_ctx)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -76,10 +85,14 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     # (asyncio.timeout in forward/relay), not by aiohttp's 5-minute default.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-    monitor = HealthMonitor(config, (app[PREFILL], app[DECODE]), session, app[METRICS])
+    gate = app[GATE]
+    pools = (app[PREFILL], app[DECODE])
+    monitor = HealthMonitor(config, pools, session, app[METRICS], on_change=gate.wake)
     app[SESSION] = session
     app[MONITOR] = monitor
-    app[FORWARDER] = Forwarder(config, app[PREFILL], app[DECODE], session, monitor, app[METRICS])
+    app[FORWARDER] = Forwarder(
+        config, app[PREFILL], app[DECODE], session, monitor, app[METRICS], gate
+    )
     loop_task = asyncio.create_task(monitor.run(), name="pd-proxy-health")
     try:
         yield

@@ -124,15 +124,23 @@ class Pool:
 
     def pick(self, tokens: int, exclude: Iterable[Backend] = ()) -> Backend | None:
         """Choose a routable backend not in ``exclude``; None when there is none."""
+        candidates = self.usable(exclude)
+        return self.choose(candidates, tokens) if candidates else None
+
+    def usable(self, exclude: Iterable[Backend] = ()) -> list[Backend]:
+        """The backends a leg may go to: routable ones not in ``exclude``.
+
+        A probe that timed out is no proof of death (an overloaded engine
+        answers /health late): with nothing routable left, the slow ones.
+        """
         excluded = set(exclude)
         candidates = [b for b in self.backends if b.routable and b not in excluded]
         if not candidates:
-            # A probe that timed out is no proof of death (an overloaded engine
-            # answers /health late): with nothing healthy left, try the slow
-            # ones rather than refuse the request.
             candidates = [b for b in self.backends if b.slow and b not in excluded]
-        if not candidates:
-            return None
+        return candidates
+
+    def choose(self, candidates: list[Backend], tokens: int) -> Backend:
+        """The routing policy's choice among ``candidates`` (never empty)."""
         if len(candidates) == 1:
             return candidates[0]
         return self.policy.choose(candidates, tokens)

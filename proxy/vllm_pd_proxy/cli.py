@@ -92,6 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENTRIES",
         help="prefixes remembered per decode engine (LRU)",
     )
+    g = p.add_argument_group("back-pressure (prefill admission)")
+    g.add_argument(
+        "--max-inflight-per-prefill",
+        type=int,
+        metavar="N",
+        default=_D.max_inflight_per_prefill,
+        help="prefill legs in flight on one prefill engine; more requests wait in "
+        "one FIFO queue; 0: no cap",
+    )
+    g.add_argument(
+        "--queue-timeout",
+        type=float,
+        metavar="S",
+        default=_D.queue_timeout,
+        help="longest wait in the queue for a prefill slot; then 503 with Retry-After",
+    )
+    g.add_argument(
+        "--max-queued",
+        type=int,
+        metavar="N",
+        default=_D.max_queued,
+        help="requests waiting for a prefill slot at once; above it 503 at once",
+    )
     g = p.add_argument_group("timeouts and retries (seconds)")
     g.add_argument(
         "--prefill-retries",
@@ -224,6 +247,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefix_aware_len=args.prefix_aware_len,
         prefix_cache_size=args.prefix_cache_size,
         prefill_retries=args.prefill_retries,
+        max_inflight_per_prefill=args.max_inflight_per_prefill,
+        queue_timeout=args.queue_timeout,
+        max_queued=args.max_queued,
         connect_timeout=args.connect_timeout,
         prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout,
@@ -268,12 +294,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     app = create_app(config)
     logger.info(
-        "vllm-pd-proxy %s on http://%s:%d mode=%s routing=%s prefill=%s decode=%s",
+        "vllm-pd-proxy %s on http://%s:%d mode=%s routing=%s "
+        "max_inflight_per_prefill=%d prefill=%s decode=%s",
         __version__,
         config.host,
         config.port,
         config.transfer_mode,
         config.routing,
+        config.max_inflight_per_prefill,
         list(config.prefill),
         list(config.decode),
     )

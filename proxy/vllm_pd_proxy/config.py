@@ -58,6 +58,11 @@ class ProxyConfig:
     # Retries of the prefill leg on another prefill engine (502/503/504 or a
     # failed connect, before anything went to D or the client).
     prefill_retries: int = 1
+    # Back-pressure (vllm_pd_proxy.admission): P legs in flight per prefill
+    # engine (0: no cap), requests waiting for a slot, and how long one waits.
+    max_inflight_per_prefill: int = 16
+    max_queued: int = 1024
+    queue_timeout: float = 30.0
     connect_timeout: float = 10.0
     prefill_timeout: float = 300.0
     decode_timeout: float = 600.0
@@ -103,6 +108,8 @@ class ProxyConfig:
             raise ConfigError("--prefix-aware-len needs --local-prefill-threshold > 0")
         if self.prefill_retries < 0:
             raise ConfigError("--prefill-retries must be >= 0")
+        if self.max_inflight_per_prefill < 0 or self.max_queued < 0:
+            raise ConfigError("--max-inflight-per-prefill and --max-queued must be >= 0")
         timeouts = {
             "--connect-timeout": self.connect_timeout,
             "--prefill-timeout": self.prefill_timeout,
@@ -111,6 +118,7 @@ class ProxyConfig:
             "--health-interval": self.health_interval,
             "--health-timeout": self.health_timeout,
             "--keepalive-timeout": self.keepalive_timeout,
+            "--queue-timeout": self.queue_timeout,
         }
         for flag, value in timeouts.items():
             if not value > 0:

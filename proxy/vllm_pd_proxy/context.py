@@ -64,6 +64,8 @@ class RequestContext:
     ttft: float | None = None
     outcome: str = "ok"
     retries: int = 0
+    # Seconds spent waiting for a prefill slot, over all attempts.
+    queued: float = 0.0
     error: str | None = None
 
     def finish(self, now: float, metrics: Metrics) -> None:
@@ -76,7 +78,7 @@ class RequestContext:
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 "request_id=%s endpoint=%s mode=%s prefill=%s decode=%s status=%d outcome=%s "
-                "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d retries=%d%s",
+                "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d retries=%d queue_ms=%.1f%s",
                 self.request_id,
                 self.endpoint,
                 self.mode,
@@ -88,5 +90,6 @@ class RequestContext:
                 e2e * 1000,
                 self.tokens,
                 self.retries,
+                self.queued * 1000,
                 f" error={log_safe(self.error)}" if self.error else "",
             )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 from aiohttp import web
@@ -99,6 +99,20 @@ def overloaded(message: str) -> ProxyError:
         err_type="service_unavailable",
         outcome="overloaded",
         headers={"Retry-After": "1"},
+    )
+
+
+def queue_rejected(
+    reason: Literal["queue_full", "queue_timeout"], message: str, retry_after: int
+) -> ProxyError:
+    """Back-pressure: every usable prefill engine is at its in-flight cap and the
+    request could not wait (queue full) or waited too long (queue timeout)."""
+    return ProxyError(
+        503,
+        message,
+        err_type="service_unavailable",
+        outcome=reason,
+        headers={"Retry-After": str(max(1, retry_after))},
     )
 
 

@@ -8,11 +8,16 @@ call :meth:`Forwarder.handle` once per client request. Flow:
    parse it (400 on bad JSON or ``n``/``best_of`` > 1), estimate prompt
    tokens, pick the mode: ``local`` (conditional disaggregation: D prefills
    itself), ``pull`` or ``push`` (``--transfer-mode``);
-2. pull: P leg (retried on another P for 502/503/504 or a connection that
-   failed before the request left), then the D leg with P's
-   ``kv_transfer_params``; push: P and D legs at once, D cancelled if P fails
-   (or answers from another engine than D was told) before D's first byte;
-3. relay D's answer (:mod:`vllm_pd_proxy.relay`), then metrics + access log.
+2. pull and push: take a prefill slot from the
+   :class:`~vllm_pd_proxy.admission.PrefillGate` (queued while every P is at
+   ``--max-inflight-per-prefill``, 503 if it cannot be had); the slot is
+   released when that P leg's response has ended;
+3. pull: P leg (retried on another P, through the gate again, for
+   502/503/504 or a connection that failed before the request left), then
+   the D leg with P's ``kv_transfer_params``; push: P and D legs at once, D
+   cancelled if P fails (or answers from another engine than D was told)
+   before D's first byte;
+4. relay D's answer (:mod:`vllm_pd_proxy.relay`), then metrics + access log.
 
 Client disconnects cancel the handler (aiohttp ``handler_cancellation``); the
 ``finally`` blocks close the upstream responses and cancel the P task, which
@@ -32,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from . import errors
+from .admission import PrefillGate, PrefillSlot
 from .backends import Backend, Pool, PrefillIdentity
 from .body import BodyBudget, parse_body, read_body, reject_unsupported
 from .config import ProxyConfig
@@ -73,9 +79,11 @@ class Forwarder:
         session: aiohttp.ClientSession,
         monitor: HealthMonitor,
         metrics: Metrics,
+        gate: PrefillGate,
     ) -> None:
         self._config = config
         self._prefill = prefill
+        self._gate = gate
         self._decode = decode
         self._session = session
         self._monitor = monitor
@@ -216,9 +224,8 @@ class Forwarder:
         tried: list[Backend] = []
         last: errors.ProxyError | None = None
         while True:
-            prefill = self._prefill.pick(ctx.tokens, exclude=tried)
-            if prefill is None:
-                raise last or errors.no_backend(self._prefill.describe_unavailable())
+            slot = await self._admit(ctx, tried, last)
+            prefill = slot.backend
             if last is not None:
                 ctx.retries += 1
                 self._metrics.retries.labels("prefill").inc()
@@ -236,6 +243,8 @@ class Forwarder:
                     raise
                 tried.append(prefill)
                 last = exc
+            finally:
+                slot.release()  # before a retry queues for another engine
 
     async def _push_flow(
         self,
@@ -246,7 +255,31 @@ class Forwarder:
         decode: Backend | None,
         prefix: Hashable | None,
     ) -> web.StreamResponse:
-        prefill, identity = await self._pick_push_prefill(ctx)
+        if decode is None and not self._decode.any_routable():
+            # Not worth a place in the prefill queue: no D could take the KV.
+            raise errors.no_backend(self._decode.describe_unavailable())
+        # Admitted (a P slot held) before either leg goes out: a queued
+        # request has nothing on D yet, so D holds blocks only for admitted ones.
+        slot, identity = await self._pick_push_prefill(ctx)
+        try:
+            return await self._push_legs(
+                request, ctx, body, headers, decode, prefix, slot, identity
+            )
+        finally:
+            slot.release()  # usually done already, when P's answer ended
+
+    async def _push_legs(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        decode: Backend | None,
+        prefix: Hashable | None,
+        slot: PrefillSlot,
+        identity: PrefillIdentity,
+    ) -> web.StreamResponse:
+        prefill = slot.backend
         decode = decode or self._pick_decode(ctx)
         rid = ctx.request_id
         # The key both engines file the push under: unique per dispatch even
@@ -255,9 +288,7 @@ class Forwarder:
         p_body = _encode(prefill_body(body, push_prefill_params(pd_id)))
         d_body = _encode(decode_body(body, push_decode_params(identity, pd_id)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
-        p_task = asyncio.ensure_future(
-            self._push_prefill_leg(ctx, prefill, identity, p_body, headers)
-        )
+        p_task = asyncio.ensure_future(self._push_prefill_leg(ctx, slot, identity, p_body, headers))
         try:
             return await self._decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
         except errors.ProxyError as exc:
@@ -283,7 +314,7 @@ class Forwarder:
     async def _push_prefill_leg(
         self,
         ctx: RequestContext,
-        prefill: Backend,
+        slot: PrefillSlot,
         identity: PrefillIdentity,
         body: bytes,
         headers: dict[str, str],
@@ -296,7 +327,11 @@ class Forwarder:
         leg, P already ran the prefill, and the refreshed identity serves the
         client's next attempt.
         """
-        answer = await self._prefill_leg(ctx, prefill, body, headers)
+        prefill = slot.backend
+        try:
+            answer = await self._prefill_leg(ctx, prefill, body, headers)
+        finally:
+            slot.release()  # P's response has ended; D may still be streaming
         params = answer.get("kv_transfer_params")
         changed = self._monitor.check_answer_identity(prefill, identity, params)
         if changed is not None:
@@ -309,25 +344,42 @@ class Forwarder:
             )
         return answer
 
-    async def _pick_push_prefill(self, ctx: RequestContext) -> tuple[Backend, PrefillIdentity]:
-        """A prefill engine whose identity is known; nothing is sent to D yet."""
+    async def _pick_push_prefill(self, ctx: RequestContext) -> tuple[PrefillSlot, PrefillIdentity]:
+        """A slot on a prefill engine whose identity is known; nothing is sent to D yet."""
         tried: list[Backend] = []
         last: errors.ProxyError | None = None
         while True:
-            prefill = self._prefill.pick(ctx.tokens, exclude=tried)
-            if prefill is None:
-                raise last or errors.no_backend(self._prefill.describe_unavailable())
+            slot = await self._admit(ctx, tried, last)
+            prefill = slot.backend
             if last is not None:
                 ctx.retries += 1
                 self._metrics.retries.labels("prefill").inc()
             ctx.prefill = prefill
             try:
-                return prefill, await self._monitor.ensure_identity(prefill)
+                return slot, await self._monitor.ensure_identity(prefill)
             except ProbeError as exc:
+                slot.release()
                 last = errors.protocol_error("prefill", prefill, f"identity probe failed: {exc}")
                 if len(tried) >= self._config.prefill_retries:
                     raise last from None
                 tried.append(prefill)
+            except BaseException:
+                slot.release()
+                raise
+
+    async def _admit(
+        self, ctx: RequestContext, tried: list[Backend], last: errors.ProxyError | None
+    ) -> PrefillSlot:
+        """A prefill slot, queued if need be; raises ``last`` (or 503) if none is usable."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            slot = await self._gate.acquire(ctx.tokens, tried, ctx.queued)
+        finally:
+            ctx.queued += loop.time() - started
+        if slot is None:
+            raise last or errors.no_backend(self._prefill.describe_unavailable())
+        return slot
 
     # -- legs ----------------------------------------------------------------
 

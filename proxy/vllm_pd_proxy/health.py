@@ -10,8 +10,9 @@ milliseconds instead of at the next round), :meth:`ensure_identity` when a
 push-mode prefill engine has not been probed yet, and
 :meth:`check_answer_identity` with every push P answer (which names the engine
 that served it), so a restart at the same URL is noticed by the first request
-it affects, not at the next round. The cleanup context cancels everything on
-shutdown.
+it affects, not at the next round. Every state change calls ``on_change``
+(the prefill gate's ``wake``: an engine back in rotation has free slots). The
+cleanup context cancels everything on shutdown.
 
 Engines started with ``--api-key`` need ``Authorization`` on ``/v1/*``: the
 monitor's own calls (health, ``/v1/models``, identity probe) send
@@ -26,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import aiohttp
@@ -53,8 +54,12 @@ class HealthMonitor:
         pools: Iterable[Pool],
         session: aiohttp.ClientSession,
         metrics: Metrics,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
+        # Called after a backend's state (or slow flag) changed: the prefill
+        # gate may now hand out slots, or fail waiters with no engine left.
+        self._on_change = on_change
         self._pools = list(pools)
         self._session = session
         self._metrics = metrics
@@ -99,7 +104,7 @@ class HealthMonitor:
 
     async def check(self, backend: Backend) -> None:
         """GET {backend}/health and record the result."""
-        before = backend.state
+        before, was_slow = backend.state, backend.slow
         try:
             async with asyncio.timeout(self._config.health_timeout):
                 async with self._session.get(backend.url + "/health", headers=self._auth) as resp:
@@ -128,6 +133,8 @@ class HealthMonitor:
                 backend.state,
                 backend.last_error or "",
             )
+        if self._on_change is not None and (backend.state, backend.slow) != (before, was_slow):
+            self._on_change()
 
     def check_soon(self, backend: Backend, reprobe: bool = False) -> None:
         """Schedule an out-of-band check (after a failed leg); deduplicated."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -85,10 +85,22 @@ class Metrics:
     def __init__(self, pools: Sequence[Pool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        # Back-pressure rejections are outcomes too: queue_full, queue_timeout.
         self.requests = Counter(
             "pd_proxy_requests",
             "Client requests by outcome and mode (pull, push, local; none if rejected early)",
             ["outcome", "mode"],
+            registry=reg,
+        )
+        self.queue_depth = Gauge(
+            "pd_proxy_queue_depth",
+            "Requests waiting for a prefill slot (--max-inflight-per-prefill)",
+            registry=reg,
+        )
+        self.queue_wait = Histogram(
+            "pd_proxy_queue_wait_seconds",
+            "Time a request waited in the queue for a prefill slot, however the wait ended",
+            buckets=LATENCY_BUCKETS,
             registry=reg,
         )
         self.retries = Counter(

@@ -43,7 +43,9 @@ class FakeEngine:
     ``Authorization: Bearer <key>``, else 401), ``override`` (a custom handler).
     As with vllm_pd_ext's connector, the probe and a prefill answer carry the
     same identity; :meth:`restart` changes it in both. ``seen`` records
-    completion requests, ``gets`` the GET requests (health, models).
+    completion requests, ``gets`` the GET requests (health, models);
+    ``in_flight``/``max_in_flight`` count the completion legs running now and
+    at most at once (identity probes excluded).
     """
 
     role: str
@@ -62,6 +64,7 @@ class FakeEngine:
     seen: list[Seen] = field(default_factory=list)
     gets: list[Seen] = field(default_factory=list)
     in_flight: int = 0
+    max_in_flight: int = 0  # the most completion legs it ran at once
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     received: asyncio.Event = field(default_factory=asyncio.Event)
     server: TestServer | None = None
@@ -159,6 +162,7 @@ class FakeEngine:
             answer = {"id": "probe", "choices": [{"index": 0, "text": "x"}]}
             return web.json_response({**answer, "kv_transfer_params": self.identity()})
         self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.received.set()
         try:
             if self.override is not None:

@@ -327,7 +327,7 @@ def test_push_states_keep_their_wire_strings(msg, wire):
 
 
 def test_push_state_values_are_the_wire_contract():
-    assert [s.value for s in proto.PushAcceptedState] == ["waiting", "writing"]
+    assert [s.value for s in proto.PushAcceptedState] == ["waiting", "writing", "queued"]
     assert [s.value for s in proto.PushAbortState] == [
         "aborted", "unknown", "done", "failed", "in_flight"]
     assert {"aborted", "unknown", "done", "failed"} == proto.ABORT_SAFE_STATES

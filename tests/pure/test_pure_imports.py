@@ -27,6 +27,7 @@ PURE = [
     "side_channel",
     "outbox",
     "heartbeats",
+    "idle_wait",
 ]
 
 CHECK = """

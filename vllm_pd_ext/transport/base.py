@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_pd_ext.coalesce import Descriptor
@@ -110,8 +110,11 @@ class Transport(abc.ABC):
     def release(self, handle: Any) -> bool:
         """Free a handle; False if the transfer may still touch memory."""
 
-    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True) -> None:
-        """Make progress as a transfer target without the engine stepping."""
+    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
+                            on_notif: Callable[[], None] | None = None) -> None:
+        """Make progress as a transfer target without the engine stepping;
+        ``on_notif`` is called from the pump's thread when notifications were
+        kept (D's push worker wakes its scheduler with it)."""
         return
 
     @abc.abstractmethod

@@ -10,7 +10,7 @@ drives progress.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_pd_ext.coalesce import Descriptor
@@ -59,9 +59,11 @@ class NixlTransport(Transport):
         self._pump_stop = threading.Event()
         self._pump: threading.Thread | None = None
 
-    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True) -> None:
+    def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
+                            on_notif: Callable[[], None] | None = None) -> None:
         """Progress the agent every ``interval_s`` from a daemon thread;
-        ``keep_notifs=False`` drops what arrives (nobody will take it).
+        ``keep_notifs=False`` drops what arrives (nobody will take it);
+        ``on_notif`` runs on the pump's thread after notifications were kept.
 
         Without NIXL's progress thread (which spins a core on CPU) a READ
         target never answers UCX's connection wire-up, so the first READ
@@ -75,21 +77,23 @@ class NixlTransport(Transport):
         def run() -> None:
             while not self._pump_stop.wait(interval_s):
                 try:
-                    self._collect_notifs()
+                    if self._collect_notifs() and on_notif is not None:
+                        on_notif()
                 except Exception as exc:  # keep pumping; log once per burst
                     logger.debug("NIXL progress pump: %s", exc)
 
         self._pump = threading.Thread(target=run, name="pd-nixl-progress", daemon=True)
         self._pump.start()
 
-    def _collect_notifs(self) -> None:
+    def _collect_notifs(self) -> bool:
+        """True if notifications were kept."""
         new = self._agent.get_new_notifs()
         if not new:
-            return
+            return False
         with self._notif_lock:
             if not self._keep_notifs:
                 self.num_dropped_notifs += sum(len(msgs) for msgs in new.values())
-                return
+                return False
             for msgs in new.values():
                 self._notifs.extend(bytes(m) for m in msgs)
             excess = len(self._notifs) - MAX_PENDING_NOTIFS
@@ -98,6 +102,7 @@ class NixlTransport(Transport):
                 self.num_dropped_notifs += excess
                 logger.warning("PDConnector: %d NIXL notifications dropped: more than %d "
                                "pending", excess, MAX_PENDING_NOTIFS)
+        return True
 
     def take_notifs(self) -> list[bytes]:
         try:

@@ -1,0 +1,165 @@
+"""D's idle wait in push mode (``idle_wait.py``, issue 10).
+
+``should_wait`` is pure: a table flips each of its four conditions in turn.
+``IdleWait`` / ``Waker`` are tested with their real ZMQ sockets (in-process
+and TCP on 127.0.0.1) and real threads, against the wall clock. The machine
+may be loaded, so the bounds are generous: a wait that nobody ends lasts at
+least ``0.8 * TIMEOUT_S``; an "early" return takes under ``EARLY_S``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from vllm_pd_ext.idle_wait import IdleWait, Waker, should_wait
+
+TIMEOUT_S = 0.2
+#: A woken wait returns well before its timeout.
+EARLY_S = 0.15
+
+
+def timed_wait(idle: IdleWait) -> tuple[bool, float]:
+    t0 = time.monotonic()
+    woken = idle.wait()
+    return woken, time.monotonic() - t0
+
+
+@pytest.fixture
+def idle():
+    iw = IdleWait(TIMEOUT_S)
+    yield iw
+    iw.close()
+
+
+# ------------------------------------------------------------ should_wait
+#: (scheduled_tokens, num_push_waits, has_work_for_worker, num_finished)
+IDLE_STEP = (0, 3, False, 0)
+
+
+def test_should_wait_on_an_idle_push_step():
+    assert should_wait(*IDLE_STEP) is True
+
+
+@pytest.mark.parametrize("step,why", [
+    ((1, 3, False, 0), "the step schedules tokens"),
+    ((512, 3, False, 0), "the step schedules tokens"),
+    ((0, 0, False, 0), "D waits for no pushed KV"),
+    ((0, 3, True, 0), "the worker must hear of new specs or failures now"),
+    ((0, 3, False, 1), "finished requests must be freed"),
+    ((0, 0, True, 2), "nothing says wait"),
+])
+def test_should_not_wait_when_any_condition_fails(step, why):
+    assert should_wait(*step) is False, why
+
+
+# ------------------------------------------------------------ IdleWait
+def test_wait_without_wake_times_out(idle):
+    woken, took = timed_wait(idle)
+    assert woken is False
+    assert took >= 0.8 * TIMEOUT_S
+    assert idle.num_waits == 1 and idle.num_woken == 0
+    assert idle.seconds_waited >= 0.8 * TIMEOUT_S
+
+
+def test_wake_from_another_thread_ends_the_wait_early(idle):
+    def waker() -> None:
+        time.sleep(0.02)
+        idle.wake()
+
+    thread = threading.Thread(target=waker)
+    thread.start()
+    try:
+        woken, took = timed_wait(idle)
+    finally:
+        thread.join(5)
+    assert woken is True
+    assert took < EARLY_S
+    assert idle.num_waits == 1 and idle.num_woken == 1
+
+
+def test_wake_while_not_waiting_ends_only_the_next_wait(idle):
+    for _ in range(5):  # several threads' wakes while D was stepping
+        idle.wake()
+    woken, took = timed_wait(idle)
+    assert woken is True and took < EARLY_S
+    # The queued wakes were drained: the following wait blocks again.
+    woken, took = timed_wait(idle)
+    assert woken is False and took >= 0.8 * TIMEOUT_S
+    assert idle.num_waits == 2 and idle.num_woken == 1
+
+
+def test_wakes_from_many_threads_are_safe(idle):
+    threads = [threading.Thread(target=lambda: [idle.wake() for _ in range(50)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert idle.wait() is True
+    woken, took = timed_wait(idle)
+    assert woken is False and took >= 0.8 * TIMEOUT_S
+
+
+# ------------------------------------------------------------ Waker (worker side)
+def test_worker_waker_wakes_across_sockets(idle):
+    waker = Waker()
+    try:
+        assert waker.endpoint.startswith("tcp://127.0.0.1:")
+        idle.connect([waker.endpoint])
+        # The TCP connection takes a moment; until then a wake finds no peer.
+        deadline = time.monotonic() + 5.0
+        woken = False
+        while not woken and time.monotonic() < deadline:
+            waker.wake()
+            woken = idle.wait()
+        assert woken, "the worker's wake never reached the scheduler's wait"
+        assert waker.num_wakes >= 1
+        # Connected now: one wake while the scheduler waits ends it early.
+        thread = threading.Thread(target=lambda: (time.sleep(0.02), waker.wake()))
+        thread.start()
+        try:
+            woken, took = timed_wait(idle)
+        finally:
+            thread.join(5)
+        assert woken is True and took < EARLY_S
+        # Nothing left queued: the next wait runs to its timeout.
+        woken, took = timed_wait(idle)
+        assert woken is False and took >= 0.8 * TIMEOUT_S
+    finally:
+        waker.close()
+
+
+def test_waker_without_a_scheduler_does_not_block():
+    waker = Waker()
+    try:
+        t0 = time.monotonic()
+        for _ in range(10):
+            waker.wake()  # no peer: dropped, never blocks the progress pump
+        assert time.monotonic() - t0 < 1.0
+        assert waker.num_wakes == 0
+    finally:
+        waker.close()
+
+
+def test_close_both_sides():
+    idle = IdleWait(TIMEOUT_S)
+    waker = Waker()
+    idle.connect([waker.endpoint])
+    waker.wake()
+    idle.wait()
+    done = threading.Event()
+
+    def close() -> None:
+        idle.close()
+        waker.close()
+        done.set()
+
+    thread = threading.Thread(target=close, daemon=True)
+    thread.start()
+    assert done.wait(5.0), "closing the idle wait or the waker hung"
+    assert idle._pull.closed and idle._local.closed and waker._sock.closed
+    # A late wake from the outbox or side-channel thread after shutdown is harmless.
+    idle.wake()
