@@ -76,6 +76,19 @@ def side_channel_port(vllm_config: VllmConfig, base_port: int) -> int:
     return base_port + int(getattr(pc, "data_parallel_index", pc.data_parallel_rank) or 0)
 
 
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def omp_threads_bind() -> str | None:
+    """vLLM CPU's worker core list (``VLLM_CPU_OMP_THREADS_BIND``), if set."""
+    import os
+
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
 def kv_layout_name(vllm_config: VllmConfig) -> str:
     from vllm.platforms import current_platform
 

@@ -55,6 +55,9 @@ class PDConfig:
     #: Back a host-memory KV cache with transparent huge pages (madvise
     #: MADV_COLLAPSE); about doubles same-host READ speed.
     kv_huge_pages: bool = True
+    #: CPU: confine the EngineCore process to the workers' explicit
+    #: VLLM_CPU_OMP_THREADS_BIND cores (affinity.py).
+    bind_engine_core: bool = True
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -175,5 +178,6 @@ _VALIDATORS: dict[str, Any] = {
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,
     "kv_huge_pages": _bool,
+    "bind_engine_core": _bool,
     "nixl_progress_interval_ms": _non_negative,
 }

@@ -44,6 +44,7 @@ import msgspec
 
 from vllm_pd_ext import compat
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.affinity import bind_engine_core
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.d_pull_scheduler import PullConsumer
 from vllm_pd_ext.d_push_scheduler import PushConsumer
@@ -90,6 +91,8 @@ class PDScheduler:
     def __init__(self, vllm_config: Any, cfg: PDConfig) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config
+        if cfg.bind_engine_core:
+            bind_engine_core(compat.is_cpu_platform(), compat.omp_threads_bind())
         self.engine_id = compat.engine_id(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

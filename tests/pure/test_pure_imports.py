@@ -28,6 +28,7 @@ PURE = [
     "outbox",
     "heartbeats",
     "idle_wait",
+    "affinity",
 ]
 
 CHECK = """
