@@ -49,6 +49,14 @@ def test_intree_nixl_connector_behind_our_proxy(ref: Engine, nixl_pd: tuple[Engi
         _, want = ref.post("/v1/completions", body)
         before = d.metrics()
         status, got = proxy.post("/v1/completions", body, timeout=180)
+        if status == 500 and seed == 41:
+            # vLLM's in-tree connector once timed out its first D -> P handshake
+            # in a full suite run (handshake_setup_failed, zmq.Again after 30 s;
+            # not our code). Its next request handshakes again: one retry, and
+            # only for the first request, so a persistent failure still fails.
+            print(f"in-tree NIXL: first request failed ({got}); retrying once")
+            before = d.metrics()
+            status, got = proxy.post("/v1/completions", body, timeout=180)
         after = d.metrics()
         assert status == 200, got
         assert_same_as_reference(ref, got, want)
