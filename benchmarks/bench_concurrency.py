@@ -38,6 +38,7 @@ import json
 import math
 import random
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -280,6 +281,56 @@ def plot(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int], path
     say(f"plot written to {path}")
 
 
+def measure(name: str, rnd: int, model: str, args: argparse.Namespace, log_dir: Path,
+            warm: list[list[int]], prompts: dict[int, list[list[int]]],
+            rounds: dict[str, dict[int, list[dict[str, Any]]]],
+            outputs: dict[str, dict[int, list[list[int] | None]]]) -> None:
+    """Start one deployment, run every client level once, stop it."""
+    sub = log_dir / f"round{rnd}" if args.repeat > 1 else log_dir
+    dep: Any = Collocated(model, args, sub) if name == "collocated" else Disagg(
+        name, model, args, sub)
+    say(f"{name} (round {rnd + 1}/{args.repeat}): starting")
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        dep.start()
+        run_level(dep, model, 2, warm, args, f"{name}-r{rnd}-warm")
+        d_url = dep.stack.d.url if name != "collocated" else None
+        if args.hog:
+            hogs = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c",
+                                      "while True: pass"], start_new_session=True)
+                    for c in (0, 1)]
+        for c in args.clients:
+            b0 = buckets(d_url) if d_url else {}
+            res, wall = run_level(dep, model, c, prompts[c], args, f"{name}-r{rnd}-c{c}")
+            b1 = buckets(d_url) if d_url else {}
+            waits = ((hist_pct(b0, b1, 50), hist_pct(b0, b1, 99)) if d_url
+                     else (math.nan, math.nan))
+            s = summarize(res, wall, waits)
+            rounds.setdefault(name, {}).setdefault(c, []).append(s)
+            # Outputs are deterministic per deployment; keep the last round's.
+            outputs.setdefault(name, {})[c] = [r.get("tokens") for r in res]
+            say(f"{name} c={c}: {benchstats.fmt(s['req_per_s'])} req/s, TTFT p99 "
+                f"{benchstats.fmt(s['ttft_p99_ms'], 0)} ms, errors {s['errors']}")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        dep.stop()
+        say(f"{name}: stopped")
+
+
+def median_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of the rounds' figures; errors and requests are summed."""
+    out: dict[str, Any] = {"requests": sum(r["requests"] for r in rs),
+                           "errors": sum(r["errors"] for r in rs), "rounds": len(rs),
+                           "error_samples": [e for r in rs for e in r["error_samples"]][:3]}
+    for key in rs[0]:
+        if key not in out:
+            vals = [r[key] for r in rs if not math.isnan(r[key])]
+            out[key] = statistics.median(vals) if vals else math.nan
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deployments", nargs="+", default=["collocated", "pull", "push"],
@@ -295,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds; each round starts every deployment afresh, one after the "
+                         "other, and the table reports medians over rounds")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path")
@@ -307,38 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {c: [token_prompt(rng.randrange(args.min_len, args.max_len), 10_000 * k + i)
                    for i in range(args.requests)] for k, c in enumerate(args.clients, 1)}
     warm = [token_prompt(64, 999_000 + i) for i in range(4)]
-    summary: dict[str, dict[int, dict[str, Any]]] = {}
+    rounds: dict[str, dict[int, list[dict[str, Any]]]] = {}
     outputs: dict[str, dict[int, list[list[int] | None]]] = {}
-    for name in args.deployments:
-        dep: Any = Collocated(model, args, log_dir) if name == "collocated" else Disagg(
-            name, model, args, log_dir)
-        say(f"{name}: starting")
-        hogs: list[subprocess.Popen[bytes]] = []
-        try:
-            dep.start()
-            run_level(dep, model, 2, warm, args, f"{name}-warm")
-            d_url = dep.stack.d.url if name != "collocated" else None
-            if args.hog:
-                hogs = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, "-c",
-                                          "while True: pass"], start_new_session=True)
-                        for c in (0, 1)]
-            for c in args.clients:
-                b0 = buckets(d_url) if d_url else {}
-                res, wall = run_level(dep, model, c, prompts[c], args, f"{name}-c{c}")
-                b1 = buckets(d_url) if d_url else {}
-                waits = ((hist_pct(b0, b1, 50), hist_pct(b0, b1, 99)) if d_url
-                         else (math.nan, math.nan))
-                s = summarize(res, wall, waits)
-                summary.setdefault(name, {})[c] = s
-                outputs.setdefault(name, {})[c] = [r.get("tokens") for r in res]
-                say(f"{name} c={c}: {benchstats.fmt(s['req_per_s'])} req/s, TTFT p99 "
-                    f"{benchstats.fmt(s['ttft_p99_ms'], 0)} ms, errors {s['errors']}")
-        finally:
-            for h in hogs:
-                h.kill()
-                h.wait()
-            dep.stop()
-            say(f"{name}: stopped")
+    for rnd in range(args.repeat):
+        # Alternate the order so that a drift of the machine over the run
+        # does not favour whichever deployment always goes first.
+        order = args.deployments if rnd % 2 == 0 else args.deployments[::-1]
+        for name in order:
+            measure(name, rnd, model, args, log_dir, warm, prompts, rounds, outputs)
+    summary = {name: {c: median_summary(rs) for c, rs in lv.items()}
+               for name, lv in rounds.items()}
     if "collocated" in outputs:
         for name, levels in outputs.items():
             for c, outs in levels.items():
@@ -349,17 +381,25 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"tiny model, 1P1D vs 2 collocated engines on 2 cores, pin={args.pin}"
              + (", CPU hog per core" if args.hog else ""))
     print("\n" + title + "\n\n" + table(summary, args.clients))
+    ratios: dict[int, list[float]] = {}
     for c in args.clients:
-        if "pull" in summary and "push" in summary:
-            pull, push = summary["pull"][c]["req_per_s"], summary["push"][c]["req_per_s"]
-            print(f"clients {c}: push / pull throughput = {push / pull:.2f}")
+        if "pull" in rounds and "push" in rounds:
+            # Paired per round: the two ran minutes apart, so machine drift
+            # cancels better than in a ratio of medians.
+            ratios[c] = [b["req_per_s"] / a["req_per_s"] for a, b in
+                         zip(rounds["pull"][c], rounds["push"][c], strict=True)]
+            print(f"clients {c}: push / pull throughput per round "
+                  f"{' '.join(f'{r:.2f}' for r in ratios[c])}; median "
+                  f"{statistics.median(ratios[c]):.2f}")
     if args.plot:
         plot(summary, args.clients, args.plot, title)
     if args.out_json:
         Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out_json).write_text(json.dumps(
             {"args": vars(args), "summary": {k: {str(c): v for c, v in lv.items()}
-                                             for k, lv in summary.items()}},
+                                             for k, lv in summary.items()},
+             "rounds": {k: {str(c): v for c, v in lv.items()} for k, lv in rounds.items()},
+             "push_over_pull": {str(c): v for c, v in ratios.items()}},
             indent=1, default=str))
     return 0
 

@@ -58,6 +58,10 @@ class PDConfig:
     #: CPU: confine the EngineCore process to the workers' explicit
     #: VLLM_CPU_OMP_THREADS_BIND cores (affinity.py).
     bind_engine_core: bool = True
+    #: CPU: vLLM's shared-memory queues between EngineCore and workers wait
+    #: on their notification instead of spinning for 1 s after every
+    #: message (compat.quiet_shm_spin).
+    quiet_shm_spin: bool = True
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -179,5 +183,6 @@ _VALIDATORS: dict[str, Any] = {
     "nixl_progress_thread": _bool,
     "kv_huge_pages": _bool,
     "bind_engine_core": _bool,
+    "quiet_shm_spin": _bool,
     "nixl_progress_interval_ms": _non_negative,
 }

@@ -93,6 +93,10 @@ class PDScheduler:
         self.vllm_config = vllm_config
         if cfg.bind_engine_core:
             bind_engine_core(compat.is_cpu_platform(), compat.omp_threads_bind())
+        if cfg.quiet_shm_spin and compat.is_cpu_platform():
+            logger.info("PDConnector: %d shared-memory queue reader(s) of the EngineCore wait "
+                        "on notifications instead of spinning (quiet_shm_spin)",
+                        compat.quiet_shm_spin())
         self.engine_id = compat.engine_id(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

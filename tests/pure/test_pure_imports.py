@@ -29,6 +29,9 @@ PURE = [
     "heartbeats",
     "idle_wait",
     "affinity",
+    "testing.soak_plan",
+    "testing.netns",
+    "transport.ucx_env",
 ]
 
 CHECK = """

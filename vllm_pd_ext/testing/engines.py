@@ -1,7 +1,8 @@
 """Start and stop real vLLM OpenAI servers on this host (tests, demo, benchmarks).
 
 Each ``Engine`` is one ``python -m vllm.entrypoints.openai.api_server``
-process group bound to 127.0.0.1 with ``UCX_NET_DEVICES=lo``, started in its
+process group bound to 127.0.0.1 with ``UCX_NET_DEVICES=lo`` (or, given a
+``netns.Host``, inside that namespace on its address), started in its
 own session so ``stop`` ends exactly the processes it started (by PID). Logs
 go to a file; ``wait_ready`` polls ``/health`` and fails fast, quoting the
 log tail, if the process dies.
@@ -24,7 +25,10 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.testing.netns import Host
 
 REPO = Path(__file__).resolve().parents[2]
 SAFE_ENV = {
@@ -71,6 +75,9 @@ class Engine:
     dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: Run inside this network namespace (testing/netns.py), bound to its
+    #: address, with UCX over TCP on its veth; None: 127.0.0.1 here.
+    host: Host | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -79,13 +86,17 @@ class Engine:
         self.log_path = self.log_dir / f"{self.name}.log"
 
     @property
+    def addr(self) -> str:
+        return self.host.addr if self.host is not None else "127.0.0.1"
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.addr}:{self.port}"
 
     def command(self) -> list[str]:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", self.model, "--host", self.addr, "--port", str(self.port),
             "--max-model-len", str(self.max_model_len), "--enforce-eager",
             "--dtype", self.dtype, "--kv-cache-memory-bytes", str(self.kv_bytes),
             "--max-num-seqs", "32",
@@ -93,7 +104,7 @@ class Engine:
         if self.connector is not None:
             kv: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.role}
             if self.connector == "PDConnector":
-                extra = {"side_channel_host": "127.0.0.1",
+                extra = {"side_channel_host": self.addr,
                          "side_channel_port": self.side_channel_port}
                 extra.update(self.extra_config)
                 kv["kv_connector_extra_config"] = extra
@@ -104,7 +115,8 @@ class Engine:
             if self.failure_policy:
                 kv["kv_load_failure_policy"] = self.failure_policy
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        return cmd + self.extra_args
+        cmd += self.extra_args
+        return self.host.wrap(cmd) if self.host is not None else cmd
 
     def start(self) -> Engine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -113,8 +125,11 @@ class Engine:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
+        if self.host is not None:
+            env.update(self.host.env())
         env.update(self.env)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        # A restart (the soak's kill) appends, so the crashed run's log stays readable.
+        log = open(self.log_path, "ab" if self.proc is not None else "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, cwd=str(REPO), start_new_session=True)
         log.close()

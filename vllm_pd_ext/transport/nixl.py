@@ -16,6 +16,7 @@ from typing import Any
 from vllm_pd_ext.coalesce import Descriptor
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.base import Transport, TransportError, XferState
+from vllm_pd_ext.transport.ucx_env import explain_backend_failure
 
 logger = get_logger(__name__)
 
@@ -47,7 +48,14 @@ class NixlTransport(Transport):
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         self.agent_name = agent_name
-        self._agent = api.nixl_agent(agent_name, cfg)
+        try:
+            self._agent = api.nixl_agent(agent_name, cfg)
+        except Exception as exc:
+            hint = explain_backend_failure()
+            if hint is None:
+                raise
+            raise TransportError(f"NIXL could not create its {'/'.join(backends)} backend "
+                                 f"({exc}): {hint}") from exc
         self._reg: list[Any] = []
         self._mem_type = "DRAM"
         self._device_id = 0

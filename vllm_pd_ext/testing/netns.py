@@ -1,0 +1,208 @@
+"""Several "hosts" on one machine: one network namespace per engine (tests, soak, benchmarks).
+
+Role: give each engine its own network stack, so that P and D talk over a
+real (virtual) network instead of loopback, where UCX would copy memory
+between processes with CMA. Each host is a namespace joined to the root
+namespace by a veth pair carrying one link-local /30 (169.254.S.4i+1 on the
+root side, .4i+2 inside). Inside there is no default route, only a route to
+the topology's own /24 through the root side, which forwards between the
+topology's veths (per-interface ``forwarding``, not the global
+``ip_forward``: nothing arriving on any other interface is forwarded). So an
+engine can reach the other hosts and the root namespace (where the proxy
+runs), and nothing else.
+
+Lifecycle: ``Topology(n)`` is a context manager; ``__enter__`` creates every
+namespace and link, ``__exit__`` deletes exactly what this object created,
+also after a failure halfway through creating them. Names carry this
+process's PID, so ``remove_stale`` can delete what a killed run of ours left
+behind without touching anything else.
+
+Needs root and ``ip netns``; ``unavailable()`` says why not, for a skip.
+Real engines with PDConnector need addresses UCX accepts on the veths
+(see ``Host.env``); the component tests use the topology for everything else.
+A partition is ``Host.set_link(False)``: the root side of the veth goes down
+(the kernel has no netem here, so no delay or loss).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "pdx"
+_NAME = re.compile(rf"^{PREFIX}(\d+)h(\d+)$")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be used here, or None when they can."""
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root (this process is not uid 0)"
+    probe = f"{PREFIX}{os.getpid()}probe"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"'ip netns add' failed: {r.stderr.strip()[:200]}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    """One namespace ("host") and the veth pair that joins it to the root namespace."""
+
+    index: int
+    netns: str
+    addr: str  # inside the namespace: bind and advertise this
+    gateway: str  # root side of the pair
+    veth: str  # inside: UCX_NET_DEVICES
+    veth_root: str
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside this host (``ip netns exec`` execs in place: same PID)."""
+        return ["ip", "netns", "exec", self.netns, *cmd]
+
+    def set_link(self, up: bool) -> None:
+        """Partition the host (down) or heal it (up); sockets inside survive."""
+        _ip("link", "set", self.veth_root, "up" if up else "down")
+
+    def link_up(self) -> bool:
+        return Path(f"/sys/class/net/{self.veth_root}/operstate").read_text().strip() != "down"
+
+    def counters(self) -> dict[str, int]:
+        """Bytes the host received and sent over its veth (root side's view reversed)."""
+        stats = Path(f"/sys/class/net/{self.veth_root}/statistics")
+        return {"rx_bytes": int((stats / "tx_bytes").read_text()),
+                "tx_bytes": int((stats / "rx_bytes").read_text())}
+
+    def env(self) -> dict[str, str]:
+        """The settings an engine in this host needs (docs/deployment.md).
+
+        UCX over TCP on the veth, so no shared-memory transport can
+        short-cut the network. It needs an address UCX accepts: its TCP
+        transport skips 169.254.0.0/16 and fe80::/10, so with the link-local
+        addresses made here NIXL refuses to start (the engine says why,
+        ``transport/ucx_env.py``).
+        """
+        return {"UCX_NET_DEVICES": self.veth, "UCX_TLS": "tcp",
+                "VLLM_HOST_IP": self.addr, "VLLM_NIXL_SIDE_CHANNEL_HOST": self.addr}
+
+    def listeners(self) -> list[tuple[str, int]]:
+        """Every listening TCP socket inside the namespace, as (address, port)."""
+        return [local for local, _ in self._ss("-Hltn")]
+
+    def connections(self) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+        """Established TCP connections inside the namespace: (local, peer)."""
+        return self._ss("-Htn", "state", "established")
+
+    def _ss(self, *args: str) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+        out = subprocess.run(self.wrap(["ss", *args]), capture_output=True, text=True,
+                             check=True).stdout
+        found = []
+        for line in out.splitlines():
+            cols = line.split()
+            # "-Hltn": State Recv-Q Send-Q Local Peer; "state established" drops State.
+            local, peer = cols[-2], cols[-1]
+            found.append((_endpoint(local), _endpoint(peer)))
+        return found
+
+
+class Topology:
+    """``n`` hosts on one /24 of 169.254.0.0/16, created on enter, deleted on exit."""
+
+    def __init__(self, n: int, subnet: int | None = None) -> None:
+        if not 1 <= n <= 60:
+            raise ValueError("1..60 hosts (one /30 each in a /24)")
+        self.n = n
+        self.subnet = subnet if subnet is not None else _free_subnet()
+        self.hosts: list[Host] = []
+        self._forwarding: dict[str, str] = {}
+
+    def __enter__(self) -> Topology:
+        try:
+            for i in range(self.n):
+                self._add(i)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add(self, i: int) -> None:
+        base = f"{PREFIX}{os.getpid()}h{i}"
+        s = self.subnet
+        host = Host(index=i, netns=base, addr=f"169.254.{s}.{4 * i + 2}",
+                    gateway=f"169.254.{s}.{4 * i + 1}", veth=f"{base}n", veth_root=f"{base}r")
+        _ip("netns", "add", host.netns)
+        # Listed before its link exists, so close() removes a half-made host too.
+        self.hosts.append(host)
+        _ip("link", "add", host.veth_root, "type", "veth", "peer", "name", host.veth)
+        _ip("link", "set", host.veth, "netns", host.netns)
+        _ip("addr", "add", f"{host.gateway}/30", "dev", host.veth_root)
+        _ip("link", "set", host.veth_root, "up")
+        _sysctl(f"net.ipv4.conf.{host.veth_root}.forwarding", "1")
+        ns = ("-n", host.netns)
+        _ip(*ns, "link", "set", "lo", "up")
+        _ip(*ns, "addr", "add", f"{host.addr}/30", "dev", host.veth)
+        _ip(*ns, "link", "set", host.veth, "up")
+        _ip(*ns, "route", "add", f"169.254.{s}.0/24", "via", host.gateway)
+
+    def close(self) -> None:
+        """Delete every link and namespace this topology made (idempotent)."""
+        for host in self.hosts:
+            _ip("link", "del", host.veth_root, check=False)
+            _ip("netns", "del", host.netns, check=False)
+        self.hosts = []
+
+
+def _endpoint(text: str) -> tuple[str, int]:
+    addr, _, port = text.rpartition(":")
+    return addr.strip("[]"), int(port) if port.isdigit() else 0
+
+
+def _sysctl(key: str, value: str) -> None:
+    Path("/proc/sys/" + key.replace(".", "/")).write_text(value)
+
+
+def _free_subnet() -> int:
+    """A third octet no address or route on this machine uses yet."""
+    used = _ip("-4", "addr").stdout + _ip("-4", "route").stdout
+    for s in [100 + (os.getpid() + k) % 150 for k in range(150)]:
+        if f"169.254.{s}." not in used:
+            return s
+    raise RuntimeError("no free 169.254.S.0/24 for the topology")
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces and links left by a run of ours whose process is gone."""
+    removed: list[str] = []
+    names = _ip("netns", "list", check=False).stdout.split()
+    links = re.findall(rf"\d+: ({PREFIX}\d+h\d+r)[@:]", _ip("link", check=False).stdout)
+    for name in set(names) | {link[:-1] for link in links}:
+        m = _NAME.match(name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        _ip("link", "del", name + "r", check=False)
+        _ip("netns", "del", name, check=False)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
