@@ -118,7 +118,7 @@ class Engine:
         cmd += self.extra_args
         return self.host.wrap(cmd) if self.host is not None else cmd
 
-    def start(self) -> Engine:
+    def start(self, append: bool = False) -> Engine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(SAFE_ENV)
@@ -128,8 +128,8 @@ class Engine:
         if self.host is not None:
             env.update(self.host.env())
         env.update(self.env)
-        # A restart (the soak's kill) appends, so the crashed run's log stays readable.
-        log = open(self.log_path, "ab" if self.proc is not None else "wb")  # noqa: SIM115
+        # append=True (the soak's restart after a kill) keeps the crashed run's log.
+        log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, cwd=str(REPO), start_new_session=True)
         log.close()

@@ -328,7 +328,7 @@ class Soak:
             e.kill(signal.SIGKILL)
             assert e.proc is not None
             e.proc.wait(timeout=30)
-            e.start()
+            e.start(append=True)
             e.wait_ready(timeout=600, retries=0)
             return f"killed {e.name}, restarted on ports {e.port}/{e.side_channel_port}"
         if k is FaultKind.STOP:
