@@ -72,7 +72,7 @@ class PDWorker:
         self.regions = compat.kv_regions(kv_caches, num_blocks)
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         device_id = (first.device.index or 0) if first.is_cuda else 0
-        if self.cfg.quiet_shm_spin and not first.is_cuda:
+        if self.cfg.quiet_shm_spin and compat.is_cpu_platform():
             logger.info("PDConnector: %d shared-memory queue reader(s) of worker rank %d wait "
                         "on notifications instead of spinning (quiet_shm_spin)",
                         compat.quiet_shm_spin(), self.tp_rank)

@@ -427,7 +427,18 @@ class Soak:
             if all(u == 0 for u, _ in held.values()) or time.monotonic() > deadline:
                 break
             time.sleep(1)
-        return {"held": held, "alive": {e.name: e.alive() for e in self.cluster.engines},
+        moved = {}
+        for d in self.cluster.ds:
+            try:
+                m = d.metrics()
+                moved[d.name] = {"kv_bytes": m.get("vllm:pd_ext_kv_bytes_total", 0.0),
+                                 "external_tokens": m.get(
+                                     "vllm:prompt_tokens_by_source_total[external_kv_transfer]",
+                                     0.0)}
+            except Exception:
+                moved[d.name] = {"kv_bytes": 0.0, "external_tokens": 0.0}
+        return {"held": held, "moved": moved,
+                "alive": {e.name: e.alive() for e in self.cluster.engines},
                 "resources": {e.name: resources(e) for e in self.cluster.engines}}
 
 
@@ -495,6 +506,11 @@ def report(cfg: SoakConfig, soak: Soak, baseline: dict[str, dict[str, int]],
     for name, (usage, blocks) in end["held"].items():
         if usage != 0:
             violations.append(f"{name}: kv_cache_usage_perc {usage} ({blocks} blocks) at the end")
+    # Equal tokens alone pass when D silently recomputed: the KV must have moved
+    # (counters since each D's last start).
+    for name, mv in end["moved"].items():
+        if mv["kv_bytes"] <= 0 or mv["external_tokens"] <= 0:
+            violations.append(f"{name}: no KV moved into it ({mv})")
     for name, up in end["alive"].items():
         if not up:
             violations.append(f"{name} is not running at the end")

@@ -63,7 +63,8 @@ def send(url: str, model: str, job: Job, max_tokens: int, deadline_s: float,
     except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as exc:
         # No status line, or a body that broke off: the client was told
         # nothing (classify: truncated, or a hang when the deadline did it).
-        res.tokens = None if not res.done_marker else res.tokens
+        if not res.done_marker:
+            res.tokens = None
         res.detail = f"{type(exc).__name__}: {exc}"[:300]
     finally:
         timer.cancel()
