@@ -141,3 +141,19 @@ def test_nixl_on_a_link_local_only_interface_fails_with_the_reason() -> None:
                              capture_output=True, text=True, timeout=120).stdout
         assert "TransportError:" in out, out
         assert f"interface {h.veth!r} has only link-local addresses ({h.addr}" in out, out
+
+
+def test_nixl_on_a_link_local_interface_starts_with_the_test_shim() -> None:
+    """The shim (testing/ucx_linklocal.c, preloaded by Host.env) lifts exactly
+    that filter: the same probe now creates its UCX backend on the veth."""
+    pytest.importorskip("nixl")
+    if netns.engines_unavailable() is not None:
+        pytest.skip(f"cannot build the shim: {netns.engines_unavailable()}")
+    with netns.Topology(1) as topo:
+        h = topo.hosts[0]
+        env = h.env()
+        assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == h.veth
+        out = subprocess.run(h.wrap(["env", *(f"{k}={v}" for k, v in env.items()),
+                                     sys.executable, "-c", NIXL_PROBE]),
+                             capture_output=True, text=True, timeout=120).stdout
+        assert out.strip().endswith("created"), out

@@ -6,13 +6,21 @@ import json
 import random
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from vllm_pd_ext.testing.engines import REPO, Engine
-from vllm_pd_ext.testing.oracle import Output, Verdict, compare, near_tie_nats, output_of
+from vllm_pd_ext.testing.oracle import (
+    Output,
+    Verdict,
+    compare,
+    near_tie_nats,
+    output_of,
+    stream_output,
+)
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 TINY_LAYERS = 4
@@ -114,6 +122,34 @@ def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[s
             for ch in ev.get("choices", []):
                 text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
     return text, events
+
+
+def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:
+    """POST one completion (streamed or not) and insist on a complete 200 answer."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "X-Request-Id": rid})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+            if not body.get("stream"):
+                return output_of(json.loads(r.read()))
+            events: list[Any] = []
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    events.append("[DONE]")
+                    break
+                ev = json.loads(data)
+                assert "error" not in ev, f"{rid}: error event in the stream: {ev}"
+                events.append(ev)
+            assert events and events[-1] == "[DONE]", f"{rid}: stream ended without [DONE]"
+            return stream_output(events)
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(f"{rid}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
 
 
 def log_dir(name: str) -> Path:

@@ -19,12 +19,9 @@ P's queue was long, and D's empty engine steps took the CPU from P.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,10 +39,11 @@ from tests.e2e.helpers import (
     delta,
     log_dir,
     poke,
+    send_completion,
     token_prompt,
 )
 from vllm_pd_ext.testing.engines import Engine, Proxy
-from vllm_pd_ext.testing.oracle import Output, output_of, stream_output
+from vllm_pd_ext.testing.oracle import Output, output_of
 
 pytestmark = pytest.mark.engine
 
@@ -78,33 +76,6 @@ def stack(request: pytest.FixtureRequest, model: str) -> Iterator[dict[str, Any]
         p.stop()
 
 
-def _send(url: str, body: dict[str, Any], rid: str) -> Output:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "X-Request-Id": rid})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            assert r.status == 200
-            if not body.get("stream"):
-                return output_of(json.loads(r.read()))
-            events: list[Any] = []
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    events.append("[DONE]")
-                    break
-                ev = json.loads(data)
-                assert "error" not in ev, f"{rid}: error event in the stream: {ev}"
-                events.append(ev)
-            assert events and events[-1] == "[DONE]", f"{rid}: stream ended without [DONE]"
-            return stream_output(events)
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"{rid}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
-
-
 def test_concurrent_clients_get_collocated_outputs_and_kv_moves(
         stack: dict[str, Any], ref: Engine, model: str) -> None:
     mode, p, d, proxy = stack["mode"], stack["p"], stack["d"], stack["proxy"]
@@ -127,7 +98,7 @@ def test_concurrent_clients_get_collocated_outputs_and_kv_moves(
                 return
             rid, body = job
             try:
-                out: Output | BaseException = _send(proxy.url, body, rid)
+                out: Output | BaseException = send_completion(proxy.url, body, rid)
             except BaseException as exc:  # reported below, with every other failure
                 out = exc
             with lock:

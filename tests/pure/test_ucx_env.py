@@ -34,3 +34,10 @@ def test_diagnose(devices: str, want: str | None) -> None:
     else:
         assert got is not None and want in got, got
         assert got.startswith(f"UCX_NET_DEVICES={devices}:")
+
+
+def test_link_local_is_no_reason_once_the_test_shim_is_preloaded() -> None:
+    # testing/ucx_linklocal.c lifts UCX's link-local filter (multi-host tests).
+    env = {"UCX_NET_DEVICES": "veth0", "LD_PRELOAD": "/tmp/vllm-pd-ext-ucx-linklocal-ab12.so"}
+    assert diagnose(env, IFACES.get) is None
+    assert "is down" in (diagnose(dict(env, UCX_NET_DEVICES="down0"), IFACES.get) or "")

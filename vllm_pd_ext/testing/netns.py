@@ -18,22 +18,27 @@ process's PID, so ``remove_stale`` can delete what a killed run of ours left
 behind without touching anything else.
 
 Needs root and ``ip netns``; ``unavailable()`` says why not, for a skip.
-Real engines with PDConnector need addresses UCX accepts on the veths
-(see ``Host.env``); the component tests use the topology for everything else.
+Real engines with PDConnector also need UCX to accept the veths' link-local
+addresses, which it does not by itself: ``Host.env`` preloads a test-only
+shim for that (``ucx_linklocal.c``, built here with the system C compiler;
+``engines_unavailable()`` says why it cannot be).
 A partition is ``Host.set_link(False)``: the root side of the veth goes down
 (the kernel has no netem here, so no delay or loss).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "pdx"
+SHIM_SOURCE = Path(__file__).with_name("ucx_linklocal.c")
 _NAME = re.compile(rf"^{PREFIX}(\d+)h(\d+)$")
 
 
@@ -53,6 +58,32 @@ def unavailable() -> str | None:
         return f"'ip netns add' failed: {r.stderr.strip()[:200]}"
     _ip("netns", "del", probe, check=False)
     return None
+
+
+def engines_unavailable() -> str | None:
+    """Why real engines cannot run in namespaces here, or None when they can."""
+    reason = unavailable()
+    if reason is None and shutil.which("cc") is None:
+        reason = "no C compiler ('cc') to build the UCX link-local shim (ucx_linklocal.c)"
+    return reason
+
+
+def linklocal_shim() -> Path:
+    """The UCX link-local shim, built once per version of its source.
+
+    Kept in the temp directory under a name carrying the source's hash, so
+    concurrent test runs share one build and an edit rebuilds it.
+    """
+    digest = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"vllm-pd-ext-ucx-linklocal-{digest}.so"
+    if not out.exists():
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp),
+                            str(SHIM_SOURCE)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"building {SHIM_SOURCE.name} failed: {r.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    return out
 
 
 @dataclass
@@ -87,12 +118,16 @@ class Host:
         """The settings an engine in this host needs (docs/deployment.md).
 
         UCX over TCP on the veth, so no shared-memory transport can
-        short-cut the network. It needs an address UCX accepts: its TCP
-        transport skips 169.254.0.0/16 and fe80::/10, so with the link-local
-        addresses made here NIXL refuses to start (the engine says why,
-        ``transport/ucx_env.py``).
+        short-cut the network. UCX's TCP transport skips 169.254.0.0/16 and
+        fe80::/10 when it looks up the device's address, and link-local
+        addresses are all this topology has, so the test-only shim
+        (``ucx_linklocal.c``) is preloaded to lift that one filter. Without
+        it NIXL refuses to start, and the engine says why
+        (``transport/ucx_env.py``).
         """
-        return {"UCX_NET_DEVICES": self.veth, "UCX_TLS": "tcp",
+        preload = " ".join(x for x in (str(linklocal_shim()), os.environ.get("LD_PRELOAD"))
+                           if x)
+        return {"UCX_NET_DEVICES": self.veth, "UCX_TLS": "tcp", "LD_PRELOAD": preload,
                 "VLLM_HOST_IP": self.addr, "VLLM_NIXL_SIDE_CHANNEL_HOST": self.addr}
 
     def listeners(self) -> list[tuple[str, int]]:

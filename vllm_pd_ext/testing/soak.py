@@ -92,8 +92,8 @@ class SoakConfig:
     log_dir: Path = field(default_factory=lambda: REPO / ".runs" / "soak" /
                           time.strftime("soak-%Y%m%d-%H%M%S"))
     progress: bool = True
-    #: Each engine in its own network namespace (needs P/D addresses UCX
-    #: accepts; see netns.py): adds the partition faults.
+    #: Each engine in its own network namespace (netns.py; UCX over TCP on
+    #: its veth, with the test-only link-local shim): adds the partition faults.
     netns: bool = False
 
 
@@ -553,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="model directory; default: build the tiny random-weight model")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--netns", action="store_true",
-                    help="one network namespace per engine, adds partitions (needs UCX-usable "
-                         "addresses on the veths: vllm_pd_ext/testing/netns.py)")
+                    help="one network namespace per engine, UCX over TCP on its veth; adds "
+                         "partitions (needs root, ip netns and cc: vllm_pd_ext/testing/netns.py)")
     args = ap.parse_args(argv)
     model = args.model
     if model is None:
