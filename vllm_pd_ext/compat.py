@@ -7,6 +7,10 @@ future vLLM change is absorbed in one file.
 
 from __future__ import annotations
 
+import math
+import signal
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -233,3 +237,50 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
                 f"{tuple(t.shape)}, expected a leading block dimension of {num_blocks}"
             )
     return regions
+
+
+def ensure_drain_window(vllm_config: Any, drain_timeout_s: float) -> int:
+    """Give vLLM's shutdown a drain window; returns the window in seconds.
+
+    vLLM's EngineCore drains on SIGTERM only with ``--shutdown-timeout`` > 0
+    (its default 0 aborts every request at once, which would cut a D's READ
+    of a lease P granted). While draining it keeps stepping as long as the
+    scheduler holds requests, and a P's finished prefills stay there until
+    the connector reports their lease released or expired, so a window is
+    all a connector-aware drain needs from vLLM. A window the user set wins.
+    """
+    current = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
+    if current == 0 and drain_timeout_s > 0:
+        current = max(1, math.ceil(drain_timeout_s))
+        vllm_config.shutdown_timeout = current
+    return current
+
+
+def on_engine_shutdown(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` when this EngineCore process is told to shut down.
+
+    vLLM's EngineCore installs its SIGTERM/SIGINT handler before it builds
+    the scheduler (and so the connector), on the main thread; this chains
+    ``callback`` in front of it. The connector needs to know, because vLLM
+    decides whether a draining engine still has work from its own queues,
+    and a P's leased blocks are held by the connector, not by vLLM's
+    requests (``PDScheduler.has_pending_push_work``). Returns False (and
+    changes nothing) off the main thread or when the handler is not vLLM's.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    chained = False
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        prev = signal.getsignal(sig)
+        if not callable(prev) or not getattr(prev, "__module__", "").startswith("vllm."):
+            continue
+
+        def handler(signum: int, frame: Any, prev: Callable[..., Any] = prev) -> None:
+            try:
+                callback()
+            finally:
+                prev(signum, frame)
+
+        signal.signal(sig, handler)
+        chained = True
+    return chained

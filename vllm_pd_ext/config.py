@@ -62,6 +62,11 @@ class PDConfig:
     #: on their notification instead of spinning for 1 s after every
     #: message (compat.quiet_shm_spin).
     quiet_shm_spin: bool = True
+    #: Seconds a drain (SIGTERM or POST /pd/drain, drain.py) may take: the
+    #: engine refuses new requests, answers the admitted ones, serves the
+    #: leases it granted, then exits. Also vLLM's --shutdown-timeout when
+    #: that is 0; 0 here keeps vLLM's abort-at-once.
+    drain_timeout: float = 120.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -184,5 +189,6 @@ _VALIDATORS: dict[str, Any] = {
     "kv_huge_pages": _bool,
     "bind_engine_core": _bool,
     "quiet_shm_spin": _bool,
+    "drain_timeout": _non_negative,
     "nixl_progress_interval_ms": _non_negative,
 }

@@ -80,6 +80,9 @@ class PDConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self.scheduler.has_pending_block_frees()
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_push_work()
+
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         self.scheduler.set_xfer_handshake_metadata(metadata)
 

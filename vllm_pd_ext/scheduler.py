@@ -97,6 +97,13 @@ class PDScheduler:
             logger.info("PDConnector: %d shared-memory queue reader(s) of the EngineCore wait "
                         "on notifications instead of spinning (quiet_shm_spin)",
                         compat.quiet_shm_spin())
+        window = compat.ensure_drain_window(vllm_config, cfg.drain_timeout)
+        logger.info("PDConnector: on SIGTERM the EngineCore drains for up to %d s (granted "
+                    "leases are served first; drain_timeout / --shutdown-timeout)", window)
+        #: Set by vLLM's SIGTERM/SIGINT in the EngineCore: keep stepping
+        #: while granted leases are held (has_pending_push_work).
+        self.shutting_down = False
+        compat.on_engine_shutdown(self._on_engine_shutdown)
         self.engine_id = compat.engine_id(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -306,6 +313,21 @@ class PDScheduler:
             # cached longest.
             self._block_pool.free_blocks(reversed(self._pinned.pop(rid)))
         return freed
+
+    def _on_engine_shutdown(self) -> None:
+        # A signal handler: set a flag, nothing else (the busy loop reads it).
+        self.shutting_down = True
+
+    def has_pending_push_work(self) -> bool:
+        """vLLM keeps a draining EngineCore stepping while this is True.
+
+        Only while shutting down, and only while a granted lease still pins
+        blocks: D may yet READ them (pull) or P is WRITING them (push). Each
+        step's sweep frees what D released and what expired, so the drain
+        ends by the last lease's expiry at the latest. Outside a shutdown the
+        engine stays idle between requests as before.
+        """
+        return self.shutting_down and bool(self._pinned)
 
     def has_pending_block_frees(self) -> bool:
         # Leases D already released free at the next sweep: let vLLM wait for

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from .routing import RoutingPolicy
 
 Role = Literal["prefill", "decode"]
-State = Literal["unknown", "healthy", "unhealthy"]
+# "draining": the engine said so (vllm_pd_ext's drain: SIGTERM or POST
+# /pd/drain); it finishes what it has, takes nothing new, then exits.
+State = Literal["unknown", "healthy", "unhealthy", "draining"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +79,7 @@ class Backend:
 
     @property
     def routable(self) -> bool:
-        return self.state != "unhealthy"
+        return self.state in ("unknown", "healthy")
 
     def acquire(self, tokens: int) -> None:
         self.in_flight += 1

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 # Backend statuses after which the prefill leg may go to another engine:
 # the engine (or something in front of it) was overloaded or unreachable.
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# A draining vllm_pd_ext engine marks its 503s (and its /health) with this.
+DRAINING_HEADER = "X-PD-Draining"
+
+
+def says_draining(status: int, headers: Mapping[str, str]) -> bool:
+    """An engine's answer says it is draining (it refused the leg unrun)."""
+    return status in (200, 503) and headers.get(DRAINING_HEADER) == "1"
 
 
 def error_json(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
@@ -57,6 +64,7 @@ class ProxyError(Exception):
         content_type: str = "application/json",
         backend: Backend | None = None,
         headers: Mapping[str, str] | None = None,
+        draining: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -68,6 +76,9 @@ class ProxyError(Exception):
         self.content_type = content_type
         self.backend = backend  # the backend at fault, if any
         self.headers = dict(headers or {})  # extra response headers (Retry-After)
+        # The backend refused the leg because it is draining: it ran nothing,
+        # so the leg (push: both legs) may go to another engine.
+        self.draining = draining
 
     def response(self, request_id: str) -> web.Response:
         # Content-Type as a header: a backend's may carry a charset parameter.
@@ -121,11 +132,18 @@ def no_backend(detail: str) -> ProxyError:
 
 
 def upstream_status(
-    leg: str, backend: Backend, status: int, body: bytes, content_type: str | None
+    leg: str,
+    backend: Backend,
+    status: int,
+    body: bytes,
+    content_type: str | None,
+    draining: bool = False,
 ) -> ProxyError:
     """A backend answered with an error status: relay status and body verbatim."""
     text = body[:200].decode("utf-8", "replace")
     message = f"{leg} backend {backend.url} answered HTTP {status}: {text}"
+    if draining:
+        message = f"{leg} backend {backend.url} is draining (refused the request unrun)"
     return ProxyError(
         status,
         message,
@@ -135,6 +153,7 @@ def upstream_status(
         body=body or error_json(status, message, "upstream_error"),
         content_type=content_type or "application/json",
         backend=backend,
+        draining=draining,
     )
 
 

@@ -185,11 +185,40 @@ class Forwarder:
             return True, "prefix_hit", decode, key
         return False, "long_prompt", decode, key
 
-    def _pick_decode(self, ctx: RequestContext) -> Backend:
-        decode = self._decode.pick(ctx.tokens)
+    def _pick_decode(self, ctx: RequestContext, exclude: list[Backend] | None = None) -> Backend:
+        decode = self._decode.pick(ctx.tokens, exclude or ())
         if decode is None:
             raise errors.no_backend(self._decode.describe_unavailable())
         return decode
+
+    def _redispatch(
+        self, ctx: RequestContext, exc: errors.ProxyError, role: str, tried: list[Backend]
+    ) -> bool:
+        """Whether a failed leg may go to another engine of ``role``; records it.
+
+        Only when the engine certainly ran nothing of it: it said it is
+        draining, or the connection failed before the request left. Bounded
+        by ``--prefill-retries`` per role and request.
+        """
+        backend = exc.backend
+        if backend is None or backend.role != role:
+            return False
+        unsent = exc.outcome == "upstream_unreachable" and exc.retryable
+        if not (exc.draining or unsent) or len(tried) >= self._config.prefill_retries:
+            return False
+        if exc.draining:
+            self._monitor.mark_draining(backend)
+        tried.append(backend)
+        ctx.retries += 1
+        self._metrics.retries.labels(role).inc()
+        logger.info(
+            "request %s: %s leg to %s again elsewhere after: %s",
+            ctx.request_id,
+            role,
+            backend.url,
+            log_safe(exc.message),
+        )
+        return True
 
     # -- flows ---------------------------------------------------------------
 
@@ -215,7 +244,18 @@ class Forwarder:
                 "kv_both?",
             )
         d_body = _encode(decode_body(body, params))
-        return await self._decode_leg(request, ctx, decode, d_body, headers, prefix)
+        tried: list[Backend] = []
+        while True:
+            try:
+                return await self._decode_leg(
+                    request, ctx, decode, d_body, headers, prefix, exclude=tried
+                )
+            except errors.ProxyError as exc:
+                # Any D can take P's lease, and a D that refused the leg unrun
+                # (draining) or was never reached holds nothing of it.
+                if not self._redispatch(ctx, exc, "decode", tried):
+                    raise
+                decode = None
 
     async def _prefill_with_retry(
         self, ctx: RequestContext, body: bytes, headers: dict[str, str]
@@ -258,15 +298,27 @@ class Forwarder:
         if decode is None and not self._decode.any_routable():
             # Not worth a place in the prefill queue: no D could take the KV.
             raise errors.no_backend(self._decode.describe_unavailable())
-        # Admitted (a P slot held) before either leg goes out: a queued
-        # request has nothing on D yet, so D holds blocks only for admitted ones.
-        slot, identity = await self._pick_push_prefill(ctx)
-        try:
-            return await self._push_legs(
-                request, ctx, body, headers, decode, prefix, slot, identity
-            )
-        finally:
-            slot.release()  # usually done already, when P's answer ended
+        tried_p: list[Backend] = []
+        tried_d: list[Backend] = []
+        while True:
+            # Admitted (a P slot held) before either leg goes out: a queued
+            # request has nothing on D yet, so D holds blocks only for admitted ones.
+            slot, identity = await self._pick_push_prefill(ctx, tried_p)
+            try:
+                return await self._push_legs(
+                    request, ctx, body, headers, decode, prefix, slot, identity, tried_d
+                )
+            except errors.ProxyError as exc:
+                # One engine refused its leg unrun (draining, or never reached)
+                # before D's first byte: both legs were cancelled, so send the
+                # pair again, under a new pd_request_id, avoiding that engine.
+                role = exc.backend.role if exc.backend is not None else ""
+                if not self._redispatch(ctx, exc, role, tried_p if role == "prefill" else tried_d):
+                    raise
+                if exc.backend is decode:
+                    decode = None
+            finally:
+                slot.release()  # usually done already, when P's answer ended
 
     async def _push_legs(
         self,
@@ -278,9 +330,10 @@ class Forwarder:
         prefix: Hashable | None,
         slot: PrefillSlot,
         identity: PrefillIdentity,
+        tried_d: list[Backend],
     ) -> web.StreamResponse:
         prefill = slot.backend
-        decode = decode or self._pick_decode(ctx)
+        decode = decode or self._pick_decode(ctx, tried_d)
         rid = ctx.request_id
         # The key both engines file the push under: unique per dispatch even
         # when clients reuse an X-Request-Id (a duplicate key is refused).
@@ -289,8 +342,11 @@ class Forwarder:
         d_body = _encode(decode_body(body, push_decode_params(identity, pd_id)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
         p_task = asyncio.ensure_future(self._push_prefill_leg(ctx, slot, identity, p_body, headers))
+        answered = False
         try:
-            return await self._decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+            out = await self._decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+            answered = True
+            return out
         except errors.ProxyError as exc:
             d_failed = exc.backend is decode and exc.outcome in _D_FAILURES
             if d_failed and not p_task.done():
@@ -304,7 +360,7 @@ class Forwarder:
             if not p_task.done():
                 p_task.cancel()  # closes P's connection: the engine aborts
             results: list[Any] = await asyncio.gather(p_task, return_exceptions=True)
-            if isinstance(results[0], errors.ProxyError) and ctx.outcome == "ok":
+            if answered and isinstance(results[0], errors.ProxyError) and ctx.outcome == "ok":
                 logger.warning(
                     "request %s: prefill leg failed after decode answered: %s",
                     rid,
@@ -344,9 +400,13 @@ class Forwarder:
             )
         return answer
 
-    async def _pick_push_prefill(self, ctx: RequestContext) -> tuple[PrefillSlot, PrefillIdentity]:
-        """A slot on a prefill engine whose identity is known; nothing is sent to D yet."""
-        tried: list[Backend] = []
+    async def _pick_push_prefill(
+        self, ctx: RequestContext, tried: list[Backend]
+    ) -> tuple[PrefillSlot, PrefillIdentity]:
+        """A slot on a prefill engine whose identity is known; nothing is sent to D yet.
+
+        ``tried``: engines this request already left (appended to here).
+        """
         last: errors.ProxyError | None = None
         while True:
             slot = await self._admit(ctx, tried, last)
@@ -398,6 +458,7 @@ class Forwarder:
                     data = await resp.read()
                     status = resp.status
                     ctype = resp.headers.get("Content-Type")
+                    draining = errors.says_draining(status, resp.headers)
         except aiohttp.ClientError as exc:
             self._monitor.check_soon(prefill, reprobe=True)
             raise errors.upstream_unreachable("prefill", prefill, exc) from exc
@@ -408,9 +469,11 @@ class Forwarder:
             prefill.release(ctx.tokens)
             self._metrics.prefill_leg.observe(loop.time() - started)
         if status >= 400:
-            if status >= 500:
+            if draining:
+                self._monitor.mark_draining(prefill)
+            elif status >= 500:
                 self._monitor.check_soon(prefill, reprobe=True)
-            raise errors.upstream_status("prefill", prefill, status, data, ctype)
+            raise errors.upstream_status("prefill", prefill, status, data, ctype, draining)
         try:
             answer = msgspec.json.decode(data)
         except msgspec.DecodeError:
@@ -428,9 +491,10 @@ class Forwarder:
         headers: dict[str, str],
         prefix: Hashable | None,
         guard: asyncio.Future[Any] | None = None,
+        exclude: list[Backend] | None = None,
     ) -> web.StreamResponse:
         """Run the D leg and relay it; ``guard`` is a concurrent push P leg."""
-        decode = decode or self._pick_decode(ctx)
+        decode = decode or self._pick_decode(ctx, exclude)
         ctx.decode = decode
         config = self._config
         max_event = config.max_sse_event_bytes
@@ -468,7 +532,9 @@ class Forwarder:
             return out
         except errors.ProxyError as exc:
             # (A push P-leg error also ends up here; D is not at fault then.)
-            if exc.backend is decode and exc.outcome in ("upstream_unreachable", "timeout"):
+            if exc.backend is decode and exc.draining:
+                self._monitor.mark_draining(decode)
+            elif exc.backend is decode and exc.outcome in ("upstream_unreachable", "timeout"):
                 self._monitor.check_soon(decode)
             raise
         finally:

@@ -32,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from . import errors
 from .backends import Backend, Pool, PrefillIdentity
 from .config import ProxyConfig
 from .metrics import Metrics
@@ -39,6 +40,7 @@ from .metrics import Metrics
 logger = logging.getLogger("vllm_pd_proxy.health")
 
 IDENTITY_KEYS = ("remote_engine_id", "remote_host", "remote_port")
+DRAINING_NOTE = "the engine is draining: it finishes what it has, takes nothing new, then exits"
 
 
 class ProbeError(Exception):
@@ -110,6 +112,7 @@ class HealthMonitor:
                 async with self._session.get(backend.url + "/health", headers=self._auth) as resp:
                     await resp.read()
                     status = resp.status
+                    draining = errors.says_draining(status, resp.headers)
         except TimeoutError:
             backend.mark(
                 "unhealthy",
@@ -119,12 +122,14 @@ class HealthMonitor:
         except aiohttp.ClientError as exc:
             backend.mark("unhealthy", f"health probe failed: {type(exc).__name__}: {exc}")
         else:
-            if status == 200:
+            if draining:
+                backend.mark("draining", DRAINING_NOTE)
+            elif status == 200:
                 backend.mark("healthy")
             else:
                 backend.mark("unhealthy", f"GET /health answered HTTP {status}")
         if backend.state != before:
-            log = logger.info if backend.state == "healthy" else logger.warning
+            log = logger.info if backend.state in ("healthy", "draining") else logger.warning
             log(
                 "%s backend %s: %s -> %s %s",
                 backend.role,
@@ -134,6 +139,17 @@ class HealthMonitor:
                 backend.last_error or "",
             )
         if self._on_change is not None and (backend.state, backend.slow) != (before, was_slow):
+            self._on_change()
+
+    def mark_draining(self, backend: Backend) -> None:
+        """A leg was refused because ``backend`` drains: out of rotation now,
+        not at the next round (the round brings it back once it restarted)."""
+        if backend.state == "draining":
+            return
+        before = backend.state
+        backend.mark("draining", DRAINING_NOTE)
+        logger.info("%s backend %s: %s -> draining", backend.role, backend.url, before)
+        if self._on_change is not None:
             self._on_change()
 
     def check_soon(self, backend: Backend, reprobe: bool = False) -> None:

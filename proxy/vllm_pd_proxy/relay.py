@@ -119,7 +119,10 @@ async def open_decode(
                 if resp.status >= 400:
                     data = await resp.read()
                     ctype = resp.headers.get("Content-Type")
-                    raise errors.upstream_status("decode", backend, resp.status, data, ctype)
+                    draining = errors.says_draining(resp.status, resp.headers)
+                    raise errors.upstream_status(
+                        "decode", backend, resp.status, data, ctype, draining
+                    )
                 if ctx.stream and resp.content_type == SSE_CONTENT_TYPE:
                     try:
                         first, pending, eof = await read_events(resp, b"", max_event_bytes)

@@ -60,6 +60,9 @@ class FakeEngine:
     chunk_delay: float = 0.0
     kv_params: dict[str, Any] | None = None
     api_key: str | None = None
+    #: As vllm_pd_ext's drain middleware: every POST gets 503 + X-PD-Draining,
+    #: /health stays 200 with the header.
+    draining: bool = False
     override: Override | None = None
     seen: list[Seen] = field(default_factory=list)
     gets: list[Seen] = field(default_factory=list)
@@ -142,7 +145,8 @@ class FakeEngine:
         self.gets.append(Seen(request.path, {}, CIMultiDict(request.headers), time.monotonic()))
         if self.health_delay:
             await asyncio.sleep(self.health_delay)
-        return web.Response(status=self.health_status)
+        headers = {"X-PD-Draining": "1"} if self.draining else {}
+        return web.Response(status=self.health_status, headers=headers)
 
     async def _models(self, request: web.Request) -> web.Response:
         self.gets.append(Seen(request.path, {}, CIMultiDict(request.headers), time.monotonic()))
@@ -157,6 +161,11 @@ class FakeEngine:
         self.seen.append(Seen(request.path, body, CIMultiDict(request.headers), time.monotonic()))
         if (denied := self._unauthorized(request)) is not None:
             return denied
+        if self.draining:
+            err = {"error": {"message": "engine is draining", "type": "draining", "code": 503}}
+            return web.json_response(
+                err, status=503, headers={"X-PD-Draining": "1", "Retry-After": "1"}
+            )
         kv = body.get("kv_transfer_params") or {}
         if kv.get("pd_ext_probe"):
             answer = {"id": "probe", "choices": [{"index": 0, "text": "x"}]}

@@ -108,6 +108,8 @@ class Engine:
                          "side_channel_port": self.side_channel_port}
                 extra.update(self.extra_config)
                 kv["kv_connector_extra_config"] = extra
+                # SIGTERM and POST /pd/drain drain the engine (vllm_pd_ext/drain.py).
+                cmd += ["--middleware", "vllm_pd_ext.drain.DrainMiddleware"]
             else:
                 kv["kv_buffer_device"] = "cpu"
                 if self.extra_config:
@@ -177,6 +179,20 @@ class Engine:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
+
+    def drain(self, timeout: float = 150.0) -> int:
+        """SIGTERM to the API server alone, as an orchestrator sends it (the
+        EngineCore hears of it from the API server); waits for the exit and
+        returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        # Reap what the drained engine left of its process group, if anything.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None:
