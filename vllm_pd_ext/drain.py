@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-logger = logging.getLogger("vllm_pd_ext.drain")
+from vllm_pd_ext.log import get_logger
+
+logger = get_logger(__name__)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

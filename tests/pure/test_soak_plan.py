@@ -8,6 +8,8 @@ import pytest
 
 from vllm_pd_ext.testing.soak_plan import (
     ENGINE_FAULTS,
+    LOOPBACK_FAULTS,
+    NETNS_FAULTS,
     FaultKind,
     FaultRecord,
     Result,
@@ -16,6 +18,7 @@ from vllm_pd_ext.testing.soak_plan import (
     make_schedule,
     make_workload,
     recovery,
+    rolling_schedule,
     summary_row,
     table,
 )
@@ -27,7 +30,7 @@ def test_schedule_is_seeded_covers_every_class_and_engine_faults_never_overlap()
     a = make_schedule(7, ENGINES, ["D0", "D1"], lease_s=6.0, count=20)
     assert a == make_schedule(7, ENGINES, ["D0", "D1"], lease_s=6.0, count=20)
     assert a != make_schedule(8, ENGINES, ["D0", "D1"], lease_s=6.0, count=20)
-    assert {f.kind for f in a} == set(FaultKind)
+    assert {f.kind for f in a} == set(NETNS_FAULTS)
     assert len(a) == 20
     for prev, nxt in itertools.pairwise(a):
         # The next fault starts after the previous one's outage plus a gap.
@@ -137,3 +140,13 @@ def test_loopback_schedule_has_no_partitions() -> None:
     s = make_schedule(3, ENGINES, ["D0"], lease_s=6.0, count=12, kinds=LOOPBACK_FAULTS)
     assert {f.kind for f in s} == set(LOOPBACK_FAULTS)
     assert not PARTITIONS & {f.kind for f in s}
+
+
+def test_rolling_schedule_restarts_every_engine_in_turn() -> None:
+    s = rolling_schedule(["P0", "D0", "P1", "D1"], rounds=2, first_s=5.0, gap_s=4.0)
+    assert [f.target for f in s] == ["P0", "D0", "P1", "D1"] * 2
+    assert {f.kind for f in s} == {FaultKind.DRAIN_RESTART}
+    assert [f.at_s for f in s] == [5.0 + 4.0 * i for i in range(8)]
+    assert FaultKind.DRAIN_RESTART not in LOOPBACK_FAULTS + NETNS_FAULTS  # not a chaos fault
+    with pytest.raises(ValueError):
+        rolling_schedule([], rounds=1)

@@ -58,6 +58,7 @@ from vllm_pd_ext.testing.oracle import compare, near_tie_nats
 from vllm_pd_ext.testing.soak_plan import (
     ACCEPTED,
     LOOPBACK_FAULTS,
+    NETNS_FAULTS,
     Fault,
     FaultKind,
     FaultRecord,
@@ -68,11 +69,15 @@ from vllm_pd_ext.testing.soak_plan import (
     make_schedule,
     make_workload,
     recovery,
+    rolling_schedule,
     summary_row,
     table,
 )
 
 BURST = 50
+#: A drain waits for the engine's leases (one lease_duration at most) and
+#: vLLM's teardown; past this the soak records the restart as failed.
+DRAIN_WAIT_S = 150.0
 #: "Near their starting level": a few threads and descriptors come and go
 #: with connections and pools; a leak grows with requests and faults.
 THREAD_SLACK = 16
@@ -95,6 +100,10 @@ class SoakConfig:
     #: Each engine in its own network namespace (netns.py; UCX over TCP on
     #: its veth, with the test-only link-local shim): adds the partition faults.
     netns: bool = False
+    #: "chaos": the seeded random faults; "rolling": restart every engine in
+    #: turn through its drain (SIGTERM), ``faults`` restarts in all, and
+    #: every request must succeed (a clean error is a failure here).
+    scenario: str = "chaos"
 
 
 def resources(engine: Engine) -> dict[str, int]:
@@ -293,9 +302,14 @@ class Soak:
     # ----------------------------------------------------------- faults
     def _fault_loop(self) -> None:
         c = self.cluster
-        schedule = make_schedule(self.cfg.seed, [e.name for e in c.engines],
-                                 [d.name for d in c.ds], self.cfg.lease_s, self.cfg.faults,
-                                 kinds=fault_kinds(self.cfg))
+        if self.cfg.scenario == "rolling":
+            order = [c.ps[0].name, c.ds[0].name, c.ps[1].name, c.ds[1].name]
+            rounds = max(1, -(-self.cfg.faults // len(order)))
+            schedule = rolling_schedule(order, rounds)[:max(self.cfg.faults, 1)]
+        else:
+            schedule = make_schedule(self.cfg.seed, [e.name for e in c.engines],
+                                     [d.name for d in c.ds], self.cfg.lease_s, self.cfg.faults,
+                                     kinds=fault_kinds(self.cfg))
         self.schedule = schedule
         healed = 0.0
         try:
@@ -331,6 +345,16 @@ class Soak:
             e.start(append=True)
             e.wait_ready(timeout=600, retries=0)
             return f"killed {e.name}, restarted on ports {e.port}/{e.side_channel_port}"
+        if k is FaultKind.DRAIN_RESTART:
+            e = c.by_name(str(fault.target))
+            started = time.monotonic()
+            code = e.drain(timeout=DRAIN_WAIT_S)
+            drained = time.monotonic() - started
+            e.start(append=True)
+            e.wait_ready(timeout=600, retries=0)
+            back = self._wait_routed(e)
+            return (f"drained {e.name} (exit {code}) in {drained:.1f} s, restarted on ports "
+                    f"{e.port}/{e.side_channel_port}, back in rotation after {back:.1f} s")
         if k is FaultKind.STOP:
             e = c.by_name(str(fault.target))
             e.kill(signal.SIGSTOP)
@@ -377,6 +401,20 @@ class Soak:
                                           for line in d.log_text().splitlines())})
             return f"{d.name} answered {status}: {text[:160]}"
         raise AssertionError(k)
+
+    def _wait_routed(self, e: Engine, timeout: float = 60.0) -> float:
+        """Seconds until the proxy's health shows ``e`` healthy again."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            with contextlib.suppress(Exception), urllib.request.urlopen(
+                    self.cluster.proxy.url + "/health", timeout=10) as r:
+                data = json.loads(r.read())
+                states = {b["url"]: b["state"] for pool in ("prefill", "decode")
+                          for b in data.get(pool, [])}
+                if states.get(e.url) == "healthy":
+                    return time.monotonic() - started
+            time.sleep(0.5)
+        raise TimeoutError(f"the proxy did not route to {e.name} again within {timeout:.0f} s")
 
     # ------------------------------------------------------------ judge
     def _near(self, r: Result, job: Job) -> bool:
@@ -443,7 +481,9 @@ class Soak:
 
 
 def fault_kinds(cfg: SoakConfig) -> tuple[FaultKind, ...]:
-    return tuple(FaultKind) if cfg.netns else LOOPBACK_FAULTS
+    if cfg.scenario == "rolling":
+        return (FaultKind.DRAIN_RESTART,)
+    return NETNS_FAULTS if cfg.netns else LOOPBACK_FAULTS
 
 
 def parse_access_log(path: Path, names: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
@@ -500,6 +540,10 @@ def report(cfg: SoakConfig, soak: Soak, baseline: dict[str, dict[str, int]],
     row = summary_row(soak.results, leaked, soak.records)
     violations: list[str] = []
     for r in soak.results:
+        if cfg.scenario == "rolling" and r.verdict is Verdict.CLEAN_ERROR:
+            # Target of the rolling restart: not even a clean error.
+            violations.append(f"{r.rid}: {r.verdict} during a rolling restart (status "
+                              f"{r.status}, {(r.error or r.detail)[:120]!r})")
         if r.verdict not in ACCEPTED:
             violations.append(f"{r.rid}: {r.verdict} (status {r.status}, "
                               f"{(r.error or r.detail)[:120]!r})")
@@ -552,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None,
                     help="model directory; default: build the tiny random-weight model")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--scenario", choices=("chaos", "rolling"), default="chaos",
+                    help="chaos: seeded random faults; rolling: restart every engine in turn "
+                         "through its drain (SIGTERM), --faults restarts, 0 client errors "
+                         "allowed")
     ap.add_argument("--netns", action="store_true",
                     help="one network namespace per engine, UCX over TCP on its veth; adds "
                          "partitions (needs root, ip netns and cc: vllm_pd_ext/testing/netns.py)")
@@ -564,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                        stdout=subprocess.DEVNULL)
     cfg = SoakConfig(mode=args.mode, requests=args.requests, faults=args.faults,
                      clients=args.clients, seed=args.seed, lease_s=args.lease,
-                     progress=not args.no_progress, netns=args.netns)
+                     progress=not args.no_progress, netns=args.netns, scenario=args.scenario)
     rep = run(cfg, model)
     print(table(rep["summary"]))
     for v in rep["violations"]:

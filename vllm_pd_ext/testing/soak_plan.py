@@ -29,6 +29,9 @@ class FaultKind(enum.StrEnum):
     DISCONNECT_EARLY = "disconnect_early"  # a client closes before the first byte
     ABORT_BURST = "abort_burst"  # 50 requests at once, all closed together
     MALFORMED_D_LEG = "malformed_d_leg"  # garbage kv_transfer_params straight to a D
+    #: The rolling-restart scenario: SIGTERM (drain), wait for the exit,
+    #: restart on the same ports, wait until the proxy routes to it again.
+    DRAIN_RESTART = "drain_restart"
 
     @property
     def takes_engine(self) -> bool:
@@ -36,11 +39,14 @@ class FaultKind(enum.StrEnum):
 
 
 ENGINE_FAULTS = frozenset({FaultKind.KILL, FaultKind.STOP, FaultKind.PARTITION_SHORT,
-                           FaultKind.PARTITION_LONG})
+                           FaultKind.PARTITION_LONG, FaultKind.DRAIN_RESTART})
 #: A partition needs each engine in its own network namespace (netns.py).
 PARTITIONS = frozenset({FaultKind.PARTITION_SHORT, FaultKind.PARTITION_LONG})
-#: What a soak on 127.0.0.1 can fire.
-LOOPBACK_FAULTS = tuple(k for k in FaultKind if k not in PARTITIONS)
+#: What a chaos soak on 127.0.0.1 can fire (the drain belongs to the rolling scenario).
+LOOPBACK_FAULTS = tuple(k for k in FaultKind
+                        if k not in PARTITIONS and k is not FaultKind.DRAIN_RESTART)
+#: What a chaos soak with --netns can fire.
+NETNS_FAULTS = tuple(k for k in FaultKind if k is not FaultKind.DRAIN_RESTART)
 
 
 @dataclass(frozen=True)
@@ -53,14 +59,14 @@ class Fault:
 
 def make_schedule(seed: int, engines: Sequence[str], decodes: Sequence[str], lease_s: float,
                   count: int, first_s: float = 3.0, gap_s: tuple[float, float] = (2.0, 6.0),
-                  kinds: Sequence[FaultKind] = tuple(FaultKind)) -> list[Fault]:
+                  kinds: Sequence[FaultKind] | None = None) -> list[Fault]:
     """``count`` faults (at least one of each of ``kinds``), spaced by a random gap.
 
     ``at_s`` is a lower bound: the runner fires a fault only once the
     previous engine fault has healed (a restart takes as long as it takes),
     and keeps the drawn gap after it.
     """
-    kinds = list(kinds)
+    kinds = list(kinds if kinds is not None else NETNS_FAULTS)
     if count < len(kinds):
         raise ValueError(f"count={count}: every one of the {len(kinds)} fault classes "
                          "fires at least once")
@@ -82,6 +88,24 @@ def make_schedule(seed: int, engines: Sequence[str], decodes: Sequence[str], lea
             target = rng.choice(list(decodes))
         faults.append(Fault(round(t, 3), kind, target, round(duration, 3)))
         t += duration + rng.uniform(*gap_s)
+    return faults
+
+
+def rolling_schedule(engines: Sequence[str], rounds: int = 1, first_s: float = 5.0,
+                     gap_s: float = 5.0) -> list[Fault]:
+    """Restart every engine in turn, ``rounds`` times: the rolling-restart scenario.
+
+    Each restart waits for the previous one to be back in rotation (the
+    runner's "healed"), then ``gap_s`` of traffic on the full topology.
+    """
+    if rounds < 1 or not engines:
+        raise ValueError("at least one round over at least one engine")
+    faults = []
+    t = first_s
+    for _ in range(rounds):
+        for name in engines:
+            faults.append(Fault(round(t, 3), FaultKind.DRAIN_RESTART, name, 0.0))
+            t += gap_s
     return faults
 
 
