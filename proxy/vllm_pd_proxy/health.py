@@ -128,6 +128,16 @@ class HealthMonitor:
                 backend.mark("healthy")
             else:
                 backend.mark("unhealthy", f"GET /health answered HTTP {status}")
+        if (
+            self._push
+            and backend.role == "prefill"
+            and before in ("unhealthy", "draining")
+            and backend.state == "healthy"
+        ):
+            # Back after being away: it may be a restarted engine with a new
+            # id, and a D leg sent the old one is refused by P. Learn it
+            # before the next push dispatch (ensure_identity probes).
+            backend.identity = None
         if backend.state != before:
             log = logger.info if backend.state in ("healthy", "draining") else logger.warning
             log(

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from email.message import Message
 from typing import Any
 
 import pytest
@@ -59,19 +60,20 @@ def pair(model: str) -> Iterator[tuple[Engine, Engine]]:
         p.stop()
 
 
-def _refused(engine: Engine, body: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+def _refused(engine: Engine, body: dict[str, Any]) -> tuple[int, Message, Any]:
     req = urllib.request.Request(engine.url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
+            return r.status, r.headers, json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), json.loads(exc.read())
+        return exc.code, exc.headers, json.loads(exc.read())
 
 
-def _health_headers(engine: Engine) -> tuple[int, dict[str, str]]:
+def _health_headers(engine: Engine) -> tuple[int, Message]:
+    """Status and headers (a case-insensitive Message: uvicorn sends lowercase names)."""
     with urllib.request.urlopen(engine.url + "/health", timeout=10) as r:
-        return r.status, dict(r.headers)
+        return r.status, r.headers
 
 
 def test_draining_p_serves_its_granted_lease_then_exits(

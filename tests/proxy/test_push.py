@@ -266,3 +266,27 @@ async def test_push_decode_failure_while_prefill_runs_reprobes_prefill(engines, 
     p.override, d.fail_status = None, None
     assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
     assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+
+
+async def test_push_prefill_back_after_an_absence_is_probed_before_its_next_leg(
+    engines, proxy
+):
+    """Regression (rolling-restart soak, push): a P restarted at the same URL
+    came back healthy in a health round that did not re-probe its identity,
+    and the D legs dispatched in the next 70 ms carried the old engine id,
+    which the new P refused (3 HTTP 500s in 10,105 requests). An engine back
+    from unhealthy or draining must be probed before a D leg names it."""
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push", health_interval=60)
+    assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
+    p.health_status = 500  # going away ...
+    await client.get("/health")  # (a round without identity probes)
+    p.restart("engine-b")  # ... and back as a new engine at the same URL
+    p.health_status = 200
+    health = await (await client.get("/health")).json()
+    assert health["prefill"][0]["state"] == "healthy"
+    resp = await client.post("/v1/completions", json={"prompt": "b"})
+    assert resp.status == 200
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
