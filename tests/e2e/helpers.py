@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -150,6 +151,36 @@ def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:
             return stream_output(events)
     except urllib.error.HTTPError as exc:
         raise AssertionError(f"{rid}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
+
+
+def run_clients(url: str, jobs: list[tuple[str, dict[str, Any]]], clients: int,
+                timeout: float = 300) -> dict[str, Output | BaseException]:
+    """``clients`` closed-loop threads send ``jobs`` (request id, body) to
+    ``url``; each request's Output, or the exception that ended it."""
+    results: dict[str, Output | BaseException] = {}
+    lock = threading.Lock()
+    queue = iter(jobs)
+
+    def client() -> None:
+        while True:
+            with lock:
+                job = next(queue, None)
+            if job is None:
+                return
+            rid, body = job
+            try:
+                out: Output | BaseException = send_completion(url, body, rid)
+            except BaseException as exc:  # reported by the caller, with every other failure
+                out = exc
+            with lock:
+                results[rid] = out
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=timeout)
+    return results
 
 
 def log_dir(name: str) -> Path:

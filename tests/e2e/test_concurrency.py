@@ -20,7 +20,6 @@ P's queue was long, and D's empty engine steps took the CPU from P.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +38,7 @@ from tests.e2e.helpers import (
     delta,
     log_dir,
     poke,
-    send_completion,
+    run_clients,
     token_prompt,
 )
 from vllm_pd_ext.testing.engines import Engine, Proxy
@@ -86,31 +85,9 @@ def test_concurrent_clients_get_collocated_outputs_and_kv_moves(
         body = completion_body(model, prompt, max_tokens=MAX_TOKENS, ignore_eos=True,
                                stream=i % 3 == 0)
         jobs.append((f"conc-{mode}-{i}", body))
-    results: dict[str, Output | BaseException] = {}
-    lock = threading.Lock()
-    queue = iter(jobs)
-
-    def client() -> None:
-        while True:
-            with lock:
-                job = next(queue, None)
-            if job is None:
-                return
-            rid, body = job
-            try:
-                out: Output | BaseException = send_completion(proxy.url, body, rid)
-            except BaseException as exc:  # reported below, with every other failure
-                out = exc
-            with lock:
-                results[rid] = out
-
     d0 = d.metrics()
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results = run_clients(proxy.url, jobs, CLIENTS)
     elapsed = time.monotonic() - t0
     failed = {rid: out for rid, out in results.items() if isinstance(out, BaseException)}
     assert len(results) == REQUESTS and not failed, (

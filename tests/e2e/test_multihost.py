@@ -26,7 +26,6 @@ streamed, two pairs sharing a prefix). Then:
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -46,7 +45,7 @@ from tests.e2e.helpers import (
     delta,
     log_dir,
     poke,
-    send_completion,
+    run_clients,
     token_prompt,
 )
 from vllm_pd_ext.testing import netns
@@ -112,32 +111,10 @@ def test_2p2d_across_namespaces_equals_collocated_and_kv_moves_over_tcp(
         stack: dict[str, Any], ref: Engine, model: str) -> None:
     mode, ps, ds, proxy = stack["mode"], stack["ps"], stack["ds"], stack["proxy"]
     jobs = _jobs(mode, model)
-    results: dict[str, Output | BaseException] = {}
-    lock = threading.Lock()
-    queue = iter(jobs)
-
-    def client() -> None:
-        while True:
-            with lock:
-                job = next(queue, None)
-            if job is None:
-                return
-            rid, body = job
-            try:
-                out: Output | BaseException = send_completion(proxy.url, body, rid)
-            except BaseException as exc:  # reported below, with every other failure
-                out = exc
-            with lock:
-                results[rid] = out
-
     before = [d.metrics() for d in ds]
     wire_before = [d.host.counters() for d in ds]
     p_before = [p.host.counters() for p in ps]
-    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results = run_clients(proxy.url, jobs, CLIENTS)
     failed = {rid: out for rid, out in results.items() if isinstance(out, BaseException)}
     assert len(results) == REQUESTS and not failed, (
         f"{mode}: {len(failed)} of {REQUESTS} requests failed: "
