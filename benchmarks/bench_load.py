@@ -10,6 +10,9 @@ its core with ``taskset``):
 * ``2p2d``: P0 and D0 on core 0, P1 and D1 on core 1 (the soak's topology)
   behind one proxy with both pools.
 
+``--netns`` runs every P/D engine in its own network namespace with UCX over
+TCP on its veth (the multi-host topology of ``vllm_pd_ext/testing/netns.py``).
+
 For each closed-loop client count (default 1, 4, 16, 64), ``--requests``
 streamed completions (``max_tokens`` 16, temperature 0, ``ignore_eos``,
 prompts of 40-1,000 random tokens, distinct per request). Reported per level:
@@ -29,6 +32,7 @@ of 30 s or more and a TTFT max near it: the table prints both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -40,7 +44,6 @@ from typing import Any
 import benchstats
 from bench_concurrency import (
     Collocated,
-    Disagg,
     buckets,
     hist_pct,
     run_level,
@@ -49,6 +52,7 @@ from bench_concurrency import (
 )
 from bench_push_pull import PinnedEngine
 
+from vllm_pd_ext.testing import netns
 from vllm_pd_ext.testing.engines import REPO, Proxy
 
 sys.path.insert(0, str(REPO))
@@ -57,18 +61,27 @@ from tests.e2e.helpers import build_model, token_prompt
 LEASE_S = 30.0  # PDConnector's default lease_duration
 
 
-class TwoByTwo:
-    """P0 + D0 on core 0, P1 + D1 on core 1, one proxy in front of both pools."""
+class Pools:
+    """``n`` P/D pairs behind one proxy: n=1 is P on core 0 and D on core 1;
+    n=2 is P0 and D0 on core 0, P1 and D1 on core 1 (the soak's topology).
+    With ``hosts`` (``--netns``) each engine runs in its own network
+    namespace, UCX over TCP on its veth (vllm_pd_ext/testing/netns.py)."""
 
-    def __init__(self, mode: str, model: str, args: argparse.Namespace, log_dir: Path) -> None:
-        logs = log_dir / f"2p2d-{mode}"
+    def __init__(self, n: int, mode: str, model: str, args: argparse.Namespace, log_dir: Path,
+                 hosts: list[netns.Host] | None = None) -> None:
+        logs = log_dir / f"{n}p{n}d-{mode}"
         common: dict[str, Any] = dict(connector="PDConnector", kv_bytes=args.kv_bytes,
                                       max_model_len=args.max_model_len,
                                       extra_config={"transfer_mode": mode})
-        self.ps = [PinnedEngine(f"p{i}", model, logs, role="kv_producer", cpu_bind=str(i),
-                                **common) for i in (0, 1)]
-        self.ds = [PinnedEngine(f"d{i}", model, logs, role="kv_consumer", cpu_bind=str(i),
-                                **common) for i in (0, 1)]
+        p_cores, d_cores = (["0"], ["1"]) if n == 1 else (["0", "1"], ["0", "1"])
+
+        def host(i: int) -> netns.Host | None:
+            return hosts[i] if hosts is not None else None
+
+        self.ps = [PinnedEngine(f"p{i}", model, logs, role="kv_producer", cpu_bind=p_cores[i],
+                                host=host(i), **common) for i in range(n)]
+        self.ds = [PinnedEngine(f"d{i}", model, logs, role="kv_consumer", cpu_bind=d_cores[i],
+                                host=host(n + i), **common) for i in range(n)]
         self.proxy = Proxy([p.url for p in self.ps], [d.url for d in self.ds], logs,
                            args=["--transfer-mode", mode])
 
@@ -118,20 +131,27 @@ def measure(name: str, model: str, args: argparse.Namespace, log_dir: Path,
             outputs: dict[str, dict[int, list[list[int] | None]]]) -> None:
     ns = argparse.Namespace(**vars(args), pin="taskset")
     dep: Any
-    if name == "collocated":
-        dep = Collocated(model, ns, log_dir)
-        d_urls: list[str] = []
-    elif name == "1p1d":
-        dep = Disagg(args.mode, model, ns, log_dir)
-        d_urls = [dep.stack.d.url]
-    else:
-        dep = TwoByTwo(args.mode, model, ns, log_dir)
-        d_urls = dep.d_urls()
+    topo = contextlib.nullcontext(None) if name == "collocated" or not args.netns else (
+        netns.Topology(2 if name == "1p1d" else 4))
+    with topo as t:
+        hosts = t.hosts if t is not None else None
+        if name == "collocated":
+            dep = Collocated(model, ns, log_dir)
+        else:
+            dep = Pools(1 if name == "1p1d" else 2, args.mode, model, ns, log_dir, hosts)
+        run_deployment(name, dep, model, ns, warm, prompts, summary, outputs)
+
+
+def run_deployment(name: str, dep: Any, model: str, ns: argparse.Namespace,
+                   warm: list[list[int]], prompts: dict[int, list[list[int]]],
+                   summary: dict[str, dict[int, dict[str, Any]]],
+                   outputs: dict[str, dict[int, list[list[int] | None]]]) -> None:
+    d_urls: list[str] = dep.d_urls() if name != "collocated" else []
     say(f"{name}: starting")
     try:
         dep.start()
         run_level(dep, model, 2, warm, ns, f"{name}-warm")
-        for c in args.clients:
+        for c in ns.clients:
             b0 = [buckets(u) for u in d_urls]
             res, wall = run_level(dep, model, c, prompts[c], ns, f"{name}-c{c}")
             b1 = [buckets(u) for u in d_urls]
@@ -213,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deployments", nargs="+", default=["collocated", "1p1d", "2p2d"],
                     choices=("collocated", "1p1d", "2p2d"))
     ap.add_argument("--mode", choices=("pull", "push"), default="pull")
+    ap.add_argument("--netns", action="store_true",
+                    help="P/D engines each in their own network namespace, UCX over TCP on "
+                         "the veths (needs root, ip netns, cc); collocated stays on 127.0.0.1")
     ap.add_argument("--clients", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=int, default=64, help="per client level")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -226,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path")
     args = ap.parse_args(argv)
+    if args.netns:
+        reason = netns.engines_unavailable()
+        if reason:
+            raise SystemExit(f"--netns: {reason}")
+        netns.remove_stale()
     model = build_model("tiny")
     log_dir = Path(args.log_dir or REPO / ".runs" / "bench" / time.strftime("load-%Y%m%d-%H%M%S"))
     say(f"logs under {log_dir}; mode={args.mode}")
@@ -244,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary[name][c]["equal"] = (
                     f"{sum(1 for a, b in zip(outs, ref, strict=True) if a and a == b)}/"
                     f"{len(outs)}")
-    title = (f"tiny model on 2 cores: collocated (2 engines) vs 1P1D vs 2P2D, "
+    where = "across namespaces, UCX over TCP" if args.netns else "on 127.0.0.1"
+    title = (f"tiny model on 2 cores: collocated (2 engines) vs 1P1D vs 2P2D ({where}), "
              f"{args.mode}, lease {LEASE_S:g} s")
     print("\n" + title + "\n\n" + table(summary, args.clients))
     if "collocated" in summary:
