@@ -249,8 +249,13 @@ def table(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int]) -> 
     return "\n".join(lines)
 
 
+PANELS = (("req_per_s", "completed req/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+          ("itl_p99_ms", "ITL p99 (ms)"))
+
+
 def plot(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int], path: str,
-         title: str) -> None:
+         title: str, panels: tuple[tuple[str, str], ...] = PANELS) -> None:
+    """One panel per (figure key, label), x = clients (log 2); TTFT on a log scale."""
     try:
         import matplotlib
 
@@ -259,20 +264,22 @@ def plot(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int], path
     except ImportError:
         say("matplotlib is not installed (pip install matplotlib): no plot")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode, levels in summary.items():
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.7 * len(panels), 4))
+    for i, (mode, levels) in enumerate(summary.items()):
         xs = [c for c in clients if c in levels]
-        axes[0].plot(xs, [levels[c]["req_per_s"] for c in xs], marker="o", label=mode)
-        axes[1].plot(xs, [levels[c]["ttft_p99_ms"] for c in xs], marker="o", label=mode)
-        axes[2].plot(xs, [levels[c]["itl_p99_ms"] for c in xs], marker="o", label=mode)
-    for ax, name in zip(axes, ("completed req/s", "TTFT p99 (ms)", "ITL p99 (ms)"),
-                        strict=True):
+        for ax, (key, _) in zip(axes, panels, strict=True):
+            ys = [levels[c].get(key, math.nan) for c in xs]
+            if not all(math.isnan(y) for y in ys):
+                # One colour per deployment in every panel, also where one has no figure.
+                ax.plot(xs, ys, marker="o", label=mode, color=f"C{i}")
+    for ax, (key, label) in zip(axes, panels, strict=True):
         ax.set_xscale("log", base=2)
         ax.set_xticks(clients, [str(c) for c in clients])
         ax.set_xlabel("concurrent clients")
-        ax.set_title(name)
+        ax.set_title(label)
         ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
+        if key.startswith("ttft"):
+            ax.set_yscale("log")
     axes[0].legend()
     fig.suptitle(title)
     fig.tight_layout()

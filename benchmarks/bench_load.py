@@ -42,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import benchstats
+from bench_concurrency import PANELS as CONCURRENCY_PANELS
 from bench_concurrency import (
     Collocated,
     buckets,
     hist_pct,
+    plot,
     run_level,
     say,
     summarize,
@@ -194,38 +196,7 @@ def table(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int]) -> 
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, dict[int, dict[str, Any]]], clients: list[int], path: str,
-         title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed (pip install matplotlib): no plot")
-        return
-    panels = (("req_per_s", "completed req/s"), ("ttft_p99_ms", "TTFT p99 (ms)"),
-              ("itl_p99_ms", "ITL p99 (ms)"), ("kv_wait_p99_ms", "D KV wait p99 (ms)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(18, 4))
-    for name, levels in summary.items():
-        xs = [c for c in clients if c in levels]
-        for ax, (key, _) in zip(axes, panels, strict=True):
-            ys = [levels[c].get(key, math.nan) for c in xs]
-            if not all(math.isnan(y) for y in ys):
-                ax.plot(xs, ys, marker="o", label=name)
-    for ax, (_, label) in zip(axes, panels, strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(clients, [str(c) for c in clients])
-        ax.set_xlabel("concurrent clients")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-    axes[1].set_yscale("log")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    say(f"plot written to {path}")
+PANELS = (*CONCURRENCY_PANELS, ("kv_wait_p99_ms", "D KV wait p99 (ms)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--out-json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only redraw --plot from an earlier --out-json")
     args = ap.parse_args(argv)
+    if args.replot:
+        rep = json.loads(Path(args.replot).read_text())
+        old = {k: {int(c): v for c, v in lv.items()} for k, lv in rep["summary"].items()}
+        plot(old, rep["args"]["clients"], args.plot, rep.get("title", "load"), PANELS)
+        return 0
     if args.netns:
         reason = netns.engines_unavailable()
         if reason:
@@ -290,13 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     print("stalls near a lease duration: " + (", ".join(f"{n} at {c} clients"
                                                          for n, c in stalls) or "none"))
     if args.plot:
-        plot(summary, args.clients, args.plot, title)
+        plot(summary, args.clients, args.plot, title, PANELS)
     if args.out_json:
         Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out_json).write_text(json.dumps(
             {"args": vars(args), "summary": {k: {str(c): v for c, v in lv.items()}
                                              for k, lv in summary.items()},
-             "stalls": stalls}, indent=1, default=str))
+             "stalls": stalls, "title": title}, indent=1, default=str))
     return 0
 
 
