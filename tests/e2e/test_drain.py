@@ -115,7 +115,7 @@ def test_draining_d_finishes_its_stream_and_refuses_new_legs(
         p.start(append=True)
         p.wait_ready()
     assert d.proc is not None
-    body = completion_body(model, token_prompt(200, 97_002), max_tokens=600, ignore_eos=True)
+    body = completion_body(model, token_prompt(200, 97_002), max_tokens=1500, ignore_eos=True)
     params = prefill(p, body)
     result: dict[str, Any] = {}
 
@@ -141,7 +141,7 @@ def test_draining_d_finishes_its_stream_and_refuses_new_legs(
     assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e
                                               for e in events)
     got = stream_output(events)
-    assert len(got.tokens) == 600
+    assert len(got.tokens) == 1500
     status, want = ref.post("/v1/completions", body)
     assert status == 200
     assert_same_as_reference(ref, got, output_of(want))
