@@ -502,9 +502,9 @@ def run(cfg: SoakConfig, model: str, ref: Engine | None = None) -> dict[str, Any
     """Build the topology, run the soak, tear everything down; the report."""
     topology: contextlib.AbstractContextManager[netns.Topology | None]
     if cfg.netns:
-        reason = netns.unavailable()
+        reason = netns.engines_unavailable()
         if reason:
-            raise RuntimeError(f"--netns needs network namespaces: {reason}")
+            raise RuntimeError(f"--netns: {reason}")
         netns.remove_stale()
         topology = netns.Topology(4)
     else:
