@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -107,16 +108,14 @@ class DrainState:
         }
 
 
-def drain_timeout_from_env_or_args() -> float:
+def drain_timeout_from_argv(argv: list[str] | None = None) -> float:
     """``drain_timeout`` from this process's ``--kv-transfer-config`` (API server side).
 
     The API server has no connector instance; the middleware reads the same
     JSON the engine was started with. Bad or missing values fall back to the
     default: the connector validates the key itself and refuses to start.
     """
-    import sys
-
-    argv = sys.argv
+    argv = sys.argv if argv is None else argv
     for i, arg in enumerate(argv):
         raw = None
         if arg == "--kv-transfer-config" and i + 1 < len(argv):
@@ -140,7 +139,7 @@ class DrainMiddleware:
     def __init__(self, app: ASGIApp, timeout_s: float | None = None,
                  hand_over: Callable[[], None] | None = None) -> None:
         self.app = app
-        self.state = DrainState(drain_timeout_from_env_or_args() if timeout_s is None
+        self.state = DrainState(drain_timeout_from_argv() if timeout_s is None
                                 else timeout_s)
         # What ends the process once drained: vLLM's own SIGINT/SIGTERM handler.
         self._hand_over = hand_over or (lambda: os.kill(os.getpid(), signal.SIGINT))

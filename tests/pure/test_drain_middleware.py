@@ -12,7 +12,12 @@ import asyncio
 import json
 from typing import Any
 
-from vllm_pd_ext.drain import DrainMiddleware, DrainState
+from vllm_pd_ext.drain import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DrainMiddleware,
+    DrainState,
+    drain_timeout_from_argv,
+)
 
 
 class FakeApp:
@@ -111,3 +116,15 @@ async def test_not_draining_passes_everything_through() -> None:
     assert status == 200 and "x-pd-draining" not in headers
     assert (await _call(mw, "GET", "/pd/ready"))[0] == 200
     assert json.loads((await _call(mw, "GET", "/pd/drain"))[2])["draining"] is False
+
+
+def test_drain_timeout_comes_from_the_engines_kv_transfer_config() -> None:
+    cfg = '{"kv_connector":"PDConnector","kv_connector_extra_config":{"drain_timeout":45}}'
+    assert drain_timeout_from_argv(["vllm", "serve", "m", "--kv-transfer-config", cfg]) == 45.0
+    assert drain_timeout_from_argv(["x", f"--kv-transfer-config={cfg}"]) == 45.0
+    # Missing or malformed: the default (the connector itself refuses a bad key).
+    assert drain_timeout_from_argv(["x"]) == DEFAULT_DRAIN_TIMEOUT_S
+    assert drain_timeout_from_argv(["x", "--kv-transfer-config", "{oops"]) == \
+        DEFAULT_DRAIN_TIMEOUT_S
+    bad = '{"kv_connector_extra_config":{"drain_timeout":-3}}'
+    assert drain_timeout_from_argv(["x", "--kv-transfer-config", bad]) == DEFAULT_DRAIN_TIMEOUT_S
