@@ -244,10 +244,10 @@ def ensure_drain_window(vllm_config: Any, drain_timeout_s: float) -> int:
 
     vLLM's EngineCore drains on SIGTERM only with ``--shutdown-timeout`` > 0
     (its default 0 aborts every request at once, which would cut a D's READ
-    of a lease P granted). While draining it keeps stepping as long as the
-    scheduler holds requests, and a P's finished prefills stay there until
-    the connector reports their lease released or expired, so a window is
-    all a connector-aware drain needs from vLLM. A window the user set wins.
+    of a lease P granted). While draining it keeps stepping as long as it has
+    work, and the connector counts as work while a granted lease still pins
+    blocks (``on_engine_shutdown``, ``PDScheduler.has_pending_push_work``).
+    A window the user set wins.
     """
     current = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
     if current == 0 and drain_timeout_s > 0:

@@ -106,23 +106,28 @@ def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[s
     """POST with stream=true; returns the joined text and the parsed events."""
     req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),
                                  headers={"Content-Type": "application/json"})
-    events: list[Any] = []
-    text = ""
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                events.append("[DONE]")
-                break
-            ev = json.loads(data)
-            events.append(ev)
-            for ch in ev.get("choices", []):
-                text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+        events = sse_events(r)
+    text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+                   for ev in events if isinstance(ev, dict) for ch in ev.get("choices", []))
     return text, events
+
+
+def sse_events(resp: Any) -> list[Any]:
+    """The parsed ``data:`` events of an SSE response, ``"[DONE]"`` included
+    (the last item) when the stream sent it."""
+    events: list[Any] = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            events.append("[DONE]")
+            break
+        events.append(json.loads(data))
+    return events
 
 
 def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:
@@ -135,18 +140,9 @@ def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:
             assert r.status == 200
             if not body.get("stream"):
                 return output_of(json.loads(r.read()))
-            events: list[Any] = []
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    events.append("[DONE]")
-                    break
-                ev = json.loads(data)
-                assert "error" not in ev, f"{rid}: error event in the stream: {ev}"
-                events.append(ev)
+            events = sse_events(r)
+            errs = [ev for ev in events if isinstance(ev, dict) and "error" in ev]
+            assert not errs, f"{rid}: error event in the stream: {errs[0]}"
             assert events and events[-1] == "[DONE]", f"{rid}: stream ended without [DONE]"
             return stream_output(events)
     except urllib.error.HTTPError as exc:

@@ -142,6 +142,9 @@ def test_draining_d_finishes_its_stream_and_refuses_new_legs(
                                               for e in events)
     got = stream_output(events)
     assert len(got.tokens) == 1500
+    # Its KV came from P, not recomputed: D's worker logs each load with its bytes
+    # (2 blocks of 256 KiB). The log, not /metrics: D may have exited by now.
+    assert "loaded 200 tokens (524288 B" in d.log_text(), d.log_tail()
     status, want = ref.post("/v1/completions", body)
     assert status == 200
     assert_same_as_reference(ref, got, output_of(want))
