@@ -1,7 +1,9 @@
 """1P1D demo on CPU: one prefill and one decode vLLM engine with PDConnector
 (over NIXL) behind vllm-pd-proxy. Prints the generated text, whether it
 matches what a single engine generates for the same prompt, and how many KV
-bytes moved from P to D, then stops everything it started.
+bytes moved from P to D, then stops everything it started. P, D and the
+proxy share a secret made for this run (docs/security.md): the demo also
+shows an unsigned leg sent straight to D being refused.
 
     ./examples/demo.sh                        # pull mode: D reads P's blocks
     ./examples/demo.sh --transfer-mode push   # push mode: P writes into D's blocks
@@ -10,9 +12,11 @@ bytes moved from P to D, then stops everything it started.
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 
+from vllm_pd_ext import auth
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 from vllm_pd_ext.testing.oracle import compare, near_tie_nats, output_of
 
@@ -38,8 +42,12 @@ def main() -> int:
     args = ap.parse_args()
     logs = REPO / ".runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = {"transfer_mode": args.transfer_mode}
-    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind="0", extra_config=mode)
-    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind="1", extra_config=mode)
+    # One shared secret for this run: signed side-channel frames and legs.
+    env = {auth.DEFAULT_SECRET_ENV: secrets.token_urlsafe(32)}
+    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind="0", extra_config=mode,
+               env=env)
+    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind="1", extra_config=mode,
+               env=env)
     proxy = None
     try:
         print(f"starting P on :{p.port} and D on :{d.port} (logs in {logs}) ...", flush=True)
@@ -47,7 +55,7 @@ def main() -> int:
         d.start()
         p.wait_ready()
         d.wait_ready()
-        proxy = Proxy([p.url], [d.url], logs,
+        proxy = Proxy([p.url], [d.url], logs, env=env,
                       args=["--transfer-mode", args.transfer_mode]).start().wait_ready()
         print(f"proxy on {proxy.url} ({args.transfer_mode} mode); sending one completion "
               "through it", flush=True)
@@ -102,7 +110,18 @@ def main() -> int:
             print(f"P's WRITEs / bytes:     {p_delta('vllm:pd_ext_kv_writes_total')} / "
                   f"{p_delta('vllm:pd_ext_kv_bytes_written_total')}")
         print(f"request latency:        {elapsed * 1e3:.0f} ms")
-        return 0 if kv_bytes > 0 and verdict.same else 2
+        # An unsigned handoff leg sent straight to D (what any client of D's
+        # port could try): refused before it reaches the engine.
+        forged, answer = d.post("/v1/completions", {
+            "model": args.model, "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "127.0.0.1",
+                "remote_port": p.side_channel_port, "remote_request_id": "x",
+                "remote_block_ids": [[0]], "transfer_mode": args.transfer_mode,
+                "pd_request_id": "x"}})
+        print("\n=== authenticated control plane (shared secret) ===")
+        print(f"unsigned leg sent to D: HTTP {forged}: "
+              f"{answer.get('error', {}).get('message', answer)}")
+        return 0 if kv_bytes > 0 and verdict.same and forged == 401 else 2
     finally:
         if proxy is not None:
             proxy.stop()

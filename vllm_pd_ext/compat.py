@@ -195,6 +195,15 @@ def is_finished_ok(request: Any) -> bool:
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
+def is_rejection_notice(request: Any) -> bool:
+    """vLLM's pre-aborted stand-in for a D leg its API server refused before
+    the engine saw it (``notify_kv_transfer_request_rejected``): the leg's
+    ``kv_transfer_params`` with a dummy prompt (``[0]``), submitted only so
+    the connector's ``request_finished`` releases P's blocks. It never loads
+    KV, so checks of the prompt do not apply to it."""
+    return bool(getattr(request, "abort_immediately", False))
+
+
 def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
     """Blocks allocated for tokens that are not in D's prefix cache."""
     return list(blocks.get_unhashed_block_ids())

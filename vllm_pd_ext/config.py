@@ -9,9 +9,13 @@ docs/configuration.md documents the same table.
 from __future__ import annotations
 
 import ipaddress
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from vllm_pd_ext.auth import FrameAuth, Keyring, SecretError
 
 
 class ConfigError(ValueError):
@@ -67,6 +71,17 @@ class PDConfig:
     #: leases it granted, then exits. Also vLLM's --shutdown-timeout when
     #: that is 0; 0 here keeps vLLM's abort-at-once.
     drain_timeout: float = 120.0
+    #: The address P advertises to D and to the proxy for its side channel;
+    #: default side_channel_host. Needed when that binds 0.0.0.0 or ::.
+    side_channel_advertise_host: str | None = None
+    #: A file holding the shared secret(s) that sign every side-channel
+    #: frame and every leg (auth.py); wins over auth_secret_env.
+    auth_secret_file: str | None = None
+    #: The environment variable holding the shared secret(s); default
+    #: VLLM_PD_AUTH_SECRET. Never the secret itself: vLLM logs this config.
+    auth_secret_env: str | None = None
+    #: Seconds a signed frame's or leg's timestamp may be off this host's clock.
+    auth_window_s: float = 30.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -74,6 +89,23 @@ class PDConfig:
         if self.heartbeat_interval is not None:
             return self.heartbeat_interval
         return self.lease_duration / 6.0
+
+    @property
+    def advertised_host(self) -> str:
+        """The side-channel address peers are told (checked in from_extra_config)."""
+        return self.side_channel_advertise_host or self.side_channel_host
+
+    def load_keyring(self, environ: Mapping[str, str] | None = None) -> Keyring | None:
+        """The shared secret(s), or None (unauthenticated: isolated networks only)."""
+        try:
+            return Keyring.load(self.auth_secret_env, self.auth_secret_file, environ)
+        except SecretError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+
+    def frame_auth(self, environ: Mapping[str, str] | None = None) -> FrameAuth | None:
+        """Side-channel frame signing for this process; None without a secret."""
+        keyring = self.load_keyring(environ)
+        return None if keyring is None else FrameAuth(keyring, self.auth_window_s)
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -103,7 +135,61 @@ class PDConfig:
                 "kv_connector_extra_config.heartbeat_interval must be shorter than "
                 f"lease_duration ({cfg.effective_heartbeat_interval} >= {cfg.lease_duration})"
             )
+        if _unspecified(cfg.advertised_host):
+            raise ConfigError(
+                f"kv_connector_extra_config: the side channel would be advertised as "
+                f"{cfg.advertised_host!r}, which no peer can connect to; set "
+                "side_channel_advertise_host to this engine's address on the KV network "
+                "(side_channel_host may stay 0.0.0.0 to bind every interface)")
         return cfg
+
+
+def extra_config_from_argv(argv: list[str]) -> dict[str, Any] | None:
+    """``kv_connector_extra_config`` from a ``vllm serve`` command line (the
+    API server's middlewares have no connector instance and read the same
+    JSON); None when absent or not JSON (the connector then reports it)."""
+    for i, arg in enumerate(argv):
+        raw = None
+        if arg == "--kv-transfer-config" and i + 1 < len(argv):
+            raw = argv[i + 1]
+        elif arg.startswith("--kv-transfer-config="):
+            raw = arg.split("=", 1)[1]
+        if raw is None:
+            continue
+        try:
+            extra = json.loads(raw).get("kv_connector_extra_config") or {}
+        except (ValueError, AttributeError):
+            return None
+        return extra if isinstance(extra, dict) else None
+    return None
+
+
+def _unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _optional_str(key: str, raw: Any) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or not raw or len(raw) > 4096:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected a non-empty "
+                          "string")
+    return raw
+
+
+def _env_name(key: str, raw: Any) -> str | None:
+    if raw is not None and (not isinstance(raw, str)
+                            or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", raw)):
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected the NAME of an "
+                          "environment variable (e.g. VLLM_PD_AUTH_SECRET), never the secret")
+    return raw
+
+
+def _optional_host(key: str, raw: Any) -> str | None:
+    return None if raw is None else _host(key, raw)
 
 
 def _choice(choices: tuple[str, ...]) -> Any:
@@ -191,4 +277,8 @@ _VALIDATORS: dict[str, Any] = {
     "quiet_shm_spin": _bool,
     "drain_timeout": _non_negative,
     "nixl_progress_interval_ms": _non_negative,
+    "side_channel_advertise_host": _optional_host,
+    "auth_secret_file": _optional_str,
+    "auth_secret_env": _env_name,
+    "auth_window_s": _positive,
 }

@@ -40,6 +40,7 @@ from typing import Any
 
 from vllm_pd_ext import outbox
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import RecvSpec
@@ -104,6 +105,9 @@ class RecvJob:
     peer: Peer | None = None
     future: Future[Any] | None = None
     pin_sent: float = 0.0
+    #: Until when (D's clock) the pin guarantees P keeps the blocks: a READ
+    #: that ends later may have copied blocks P already reused.
+    valid_until: float = 0.0
     handle: Any = None
     posted: float = 0.0
     done_at: float = 0.0
@@ -135,7 +139,7 @@ class PullReader:
                  side_channel_timeout_s: float, transfer_timeout_s: float,
                  on_loaded: Callable[[RecvJob, float], None],
                  clock: Callable[[], float] = time.monotonic,
-                 io: Outbox | None = None) -> None:
+                 io: Outbox | None = None, auth: FrameAuth | None = None) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.compat = compat
@@ -146,7 +150,7 @@ class PullReader:
         self._clock = clock
         self._io = io or Outbox(side_channel_timeout_s, name=f"pd-pull{tp_rank}",
                                 idle_ttl_s=outbox.LANE_IDLE_TTL_S,
-                                fail_queued_on_timeout=True)
+                                fail_queued_on_timeout=True, auth=auth)
         # One thread: posts are serialised, never concurrent with each other.
         self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-post")
         self._peers: dict[PeerKey, _PeerEntry] = {}
@@ -352,6 +356,7 @@ class PullReader:
         except ValueError as exc:
             raise LoadFailed(FailureReason.LAYOUT, str(exc)) from exc
         job.posted = self._clock()
+        job.valid_until = valid_until
         job.nbytes = sum(n for _, _, n in descs)
         job.ndescs = len(descs)
         job.state = RecvState.POSTING
@@ -417,6 +422,16 @@ class PullReader:
             self._suspect(job.key, "NIXL reported an error for a READ")
             raise LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
         done = self._clock()
+        finished = job.done_at or done
+        if finished > job.valid_until:
+            # P only promised the blocks until the pin's expiry; past it P may
+            # have freed and refilled them (a P frozen mid-READ sweeps first
+            # when it resumes), so bytes that landed later are not trusted.
+            raise LoadFailed(
+                FailureReason.LEASE_LOST,
+                f"the READ of {job.spec.remote_request_id} ended {finished - job.valid_until:.1f} "
+                "s after P's pinned lease could have expired (P frozen, or the READ stalled): "
+                "P may have reused those blocks, so the KV is not used")
         del self._jobs[job.spec.request_id]
         self._release(job.spec, ok=True, reason="")
         self._on_loaded(job, done)

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import enum
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import LayoutProblem, PushRecvSpec
 from vllm_pd_ext.outbox import Outbox
@@ -137,7 +139,8 @@ class PushConsumer:
     def __init__(self, engine_id: str, compat: proto.CompatInfo, host: str, port: int,
                  push_timeout_s: float, side_channel_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, *,
-                 write_timeout_s: float = 30.0, queue_timeout_s: float = 600.0) -> None:
+                 write_timeout_s: float = 30.0, queue_timeout_s: float = 600.0,
+                 auth: FrameAuth | None = None) -> None:
         self.engine_id = engine_id
         self.compat = compat
         self.host = host
@@ -151,15 +154,19 @@ class PushConsumer:
         self.on_event: Callable[[], None] | None = None
         self.agents: list[proto.AgentInfo] = []
         self._clock = clock
-        self._outbox = Outbox(side_channel_timeout_s, name="pd-push-register")
+        self._outbox = Outbox(side_channel_timeout_s, name="pd-push-register", auth=auth)
         self._waits: dict[str, PushWait] = {}
         self._by_pd: dict[str, str] = {}
+        #: pd_request_id -> the P engine it was registered with (PushResult's sender).
+        self._p_engine: dict[str, str] = {}
+        #: PushResults refused: not from the P the push was registered with.
+        self.num_wrong_sender = 0
         self._lock = threading.Lock()
         self._events: list[PushEvent] = []
 
     # ------------------------------------------------------------ scheduler
     def allocate(self, rid: str, params: proto.KVTransferParams, num_prompt_tokens: int,
-                 num_external_tokens: int, local_blocks: list[int]
+                 num_external_tokens: int, local_blocks: list[int], prompt_digest: str = ""
                  ) -> PushRecvSpec | LayoutProblem | None:
         """Register the blocks D lacks with P (called from
         ``update_state_after_alloc``); None when D needs nothing from P."""
@@ -183,13 +190,14 @@ class PushConsumer:
             logger.error("PDConnector: request %s: %s; its KV load will fail", rid, problem)
             self.abandon(rid, pd_id, endpoint, "layout mismatch on D")
             return LayoutProblem(problem)
+        token = secrets.token_hex(8)
         self.register(rid, pd_id, endpoint, str(params.remote_engine_id), first_block,
-                      local_blocks[:need], num_prompt_tokens)
-        return PushRecvSpec(rid, pd_id, local_blocks[:need], num_external_tokens)
+                      local_blocks[:need], num_prompt_tokens, prompt_digest, token)
+        return PushRecvSpec(rid, pd_id, local_blocks[:need], num_external_tokens, token)
 
     def register(self, request_id: str, pd_id: str, endpoint: Endpoint,
                  expect_engine_id: str, first_block: int, block_ids: list[int],
-                 num_tokens: int) -> None:
+                 num_tokens: int, prompt_digest: str = "", notif_token: str = "") -> None:
         now = self._clock()
         wait = PushWait(request_id, pd_id, endpoint,
                         deadline=now + self.push_timeout_s + self.side_channel_timeout_s,
@@ -197,11 +205,13 @@ class PushConsumer:
         self._waits[request_id] = wait
         with self._lock:
             self._by_pd[pd_id] = request_id
+            self._p_engine[pd_id] = expect_engine_id
         msg = proto.PushRegister(
             engine_id=self.engine_id, compat=self.compat, expect_engine_id=expect_engine_id,
             pd_request_id=pd_id, request_id=request_id, notify_host=self.host,
             notify_port=self.port, agents=self.agents, first_block=first_block,
-            block_ids=list(block_ids), num_tokens=num_tokens, ttl_s=self.push_timeout_s)
+            block_ids=list(block_ids), num_tokens=num_tokens, ttl_s=self.push_timeout_s,
+            prompt_digest=prompt_digest, notif_token=notif_token)
         self._outbox.send(endpoint[0], endpoint[1], msg,
                           lambda r: self._on_register_reply(request_id, expect_engine_id, r))
         logger.info("PDConnector: request %s registered %d blocks (from block %d) with %s:%d "
@@ -229,6 +239,7 @@ class PushConsumer:
         if wait is not None:
             with self._lock:
                 self._by_pd.pop(wait.pd_request_id, None)
+                self._p_engine.pop(wait.pd_request_id, None)
 
     def poll(self) -> dict[str, tuple[str, str]]:
         """Apply replies and deadlines; returns request id -> (reason, detail)
@@ -295,6 +306,14 @@ class PushConsumer:
         """Side-channel thread: P's WRITE failed and settled."""
         with self._lock:
             rid = self._by_pd.get(msg.pd_request_id)
+            expect = self._p_engine.get(msg.pd_request_id)
+            if rid is not None and expect != msg.engine_id:
+                self.num_wrong_sender += 1
+                logger.warning("PDConnector: push result for %s from engine %s refused: it "
+                               "was registered with engine %s", msg.pd_request_id,
+                               msg.engine_id, expect)
+                return proto.ErrorReply("refused", f"push {msg.pd_request_id} was not "
+                                        f"registered with engine {msg.engine_id}")
             if rid is not None:
                 self._events.append(PushEvent(rid, EventKind.FAILED, msg.detail))
         if rid is not None and self.on_event is not None:

@@ -2,7 +2,7 @@
 
 Runs on D's worker main thread (the engine step). The scheduler hands over
 one ``PushRecvSpec`` per registered request (``expect``); P's WRITE carries
-the notification ``pdx:<pd_request_id>``, which NIXL delivers after the
+the notification ``pdx:<token>/<pd_request_id>``, which NIXL delivers after the
 data, so a request is reported loaded exactly when its bytes have landed.
 A notification can beat its spec (P is fast, the step is not): it is kept
 until the spec arrives, and forgotten after ``EARLY_TTL_S``.
@@ -25,6 +25,8 @@ logger = get_logger(__name__)
 
 #: Seconds a notification without a spec is kept.
 EARLY_TTL_S = 120.0
+#: Distinct tokens kept per early push id (the real one plus a few forgeries).
+MAX_EARLY_TOKENS = 4
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,10 @@ class PushReceiver:
         self.transport = transport
         self._expected: dict[str, tuple[PushRecvSpec, float]] = {}
         self._by_request: dict[str, str] = {}
-        self._early: dict[str, float] = {}
+        #: pd_request_id -> token -> arrival, for notifications ahead of their spec.
+        self._early: dict[str, dict[str, float]] = {}
+        #: Notifications dropped for a wrong token.
+        self.num_foreign = 0
 
     def expect(self, spec: PushRecvSpec, now: float) -> None:
         self._expected[spec.pd_request_id] = (spec, now)
@@ -51,19 +56,30 @@ class PushReceiver:
 
     def collect(self, now: float) -> list[Landed]:
         for msg in self.transport.take_notifs():
-            pd_id = proto.parse_push_notif(msg)
-            if pd_id is None:
+            parsed = proto.parse_push_notif(msg)
+            if parsed is None:
                 logger.warning("PDConnector: unexpected NIXL notification %r", msg[:64])
-            else:
-                self._early[pd_id] = now
+                continue
+            pd_id, token = parsed
+            tokens = self._early.setdefault(pd_id, {})
+            if len(tokens) < MAX_EARLY_TOKENS:
+                tokens[token] = now
         out = []
         for pd_id in [p for p in self._early if p in self._expected]:
-            del self._early[pd_id]
-            spec, since = self._expected.pop(pd_id)
+            tokens = self._early.pop(pd_id)
+            spec, since = self._expected[pd_id]
+            if spec.notif_token not in tokens:
+                # Not from the P this push was registered with: it does not count.
+                self.num_foreign += len(tokens)
+                logger.warning("PDConnector: notification for push %s without its "
+                               "registration's token dropped (not from the P it was "
+                               "registered with)", pd_id)
+                continue
+            del self._expected[pd_id]
             self._by_request.pop(spec.request_id, None)
             out.append(Landed(spec, now - since))
-        for pd_id, at in list(self._early.items()):
-            if now - at > EARLY_TTL_S:
+        for pd_id, tokens in list(self._early.items()):
+            if now - max(tokens.values()) > EARLY_TTL_S:
                 del self._early[pd_id]
                 logger.warning("PDConnector: notification for unknown push %s dropped", pd_id)
         return out

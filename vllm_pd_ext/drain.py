@@ -41,6 +41,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from vllm_pd_ext.config import extra_config_from_argv
 from vllm_pd_ext.log import get_logger
 
 logger = get_logger(__name__)
@@ -115,22 +116,12 @@ def drain_timeout_from_argv(argv: list[str] | None = None) -> float:
     JSON the engine was started with. Bad or missing values fall back to the
     default: the connector validates the key itself and refuses to start.
     """
-    argv = sys.argv if argv is None else argv
-    for i, arg in enumerate(argv):
-        raw = None
-        if arg == "--kv-transfer-config" and i + 1 < len(argv):
-            raw = argv[i + 1]
-        elif arg.startswith("--kv-transfer-config="):
-            raw = arg.split("=", 1)[1]
-        if raw is None:
-            continue
-        try:
-            extra = json.loads(raw).get("kv_connector_extra_config") or {}
-            value = float(extra.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
-        except (ValueError, TypeError, AttributeError):
-            return DEFAULT_DRAIN_TIMEOUT_S
-        return value if value >= 0 else DEFAULT_DRAIN_TIMEOUT_S
-    return DEFAULT_DRAIN_TIMEOUT_S
+    extra = extra_config_from_argv(sys.argv if argv is None else argv) or {}
+    try:
+        value = float(extra.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
+    except (ValueError, TypeError):
+        return DEFAULT_DRAIN_TIMEOUT_S
+    return value if value >= 0 else DEFAULT_DRAIN_TIMEOUT_S
 
 
 class DrainMiddleware:

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.side_channel import SideChannelError
@@ -34,7 +35,8 @@ Endpoint = tuple[str, int]
 
 
 class HeartbeatSender:
-    def __init__(self, engine_id: str, interval_s: float, timeout_s: float) -> None:
+    def __init__(self, engine_id: str, interval_s: float, timeout_s: float,
+                 auth: FrameAuth | None = None) -> None:
         self.engine_id = engine_id
         self.interval_s = interval_s
         # Side-channel replies take well under a millisecond; a short timeout
@@ -50,7 +52,8 @@ class HeartbeatSender:
         self._stop = False
         self.num_sent = 0
         self.num_refused = 0
-        self._outbox = Outbox(self.timeout_s, name="pd-hb", fail_queued_on_timeout=True)
+        self._outbox = Outbox(self.timeout_s, name="pd-hb", fail_queued_on_timeout=True,
+                             auth=auth)
         self._thread: threading.Thread | None = None
 
     def _ensure_thread(self) -> None:

@@ -48,12 +48,14 @@ class LeaseCounters:
     num_late_messages: int
     num_expired: int
     num_renewals: int
+    num_wrong_sender: int = 0
 
 
 class LeaseService:
     """P's leases, shared by the side-channel thread and the scheduler step."""
 
-    def __init__(self, table: LeaseTable, unknown_heartbeats_expected: bool = False) -> None:
+    def __init__(self, table: LeaseTable, unknown_heartbeats_expected: bool = False,
+                 owner: str = "") -> None:
         #: The pure table. Code outside this class uses the operations below;
         #: tests may inspect it (or swap it before the first grant).
         self.table = table
@@ -64,6 +66,11 @@ class LeaseService:
         #: Push: D heartbeats from arrival, usually before P's prefill has
         #: finished, so an unknown id is normal there.
         self.unknown_heartbeats_expected = unknown_heartbeats_expected
+        #: This engine's id: only its own workers release a lease P is
+        #: WRITING from (push). "": not checked (tests of the bare service).
+        self.owner = owner
+        #: Renewals and releases refused because another engine holds the lease.
+        self.num_wrong_sender = 0
 
     def atomic(self) -> AbstractContextManager[bool]:
         """``with leases.atomic():`` one critical section for several
@@ -103,7 +110,8 @@ class LeaseService:
             return LeaseCounters(
                 num_live=len(self.table), num_heartbeats=self.num_heartbeats,
                 num_late_messages=self.num_late_messages,
-                num_expired=self.table.num_expired, num_renewals=self.table.num_renewals)
+                num_expired=self.table.num_expired, num_renewals=self.table.num_renewals,
+                num_wrong_sender=self.num_wrong_sender)
 
     # ------------------------------------------------------------ push (P's WRITE)
     def hold(self, request_id: str) -> bool:
@@ -122,6 +130,19 @@ class LeaseService:
             return done
 
     # ------------------------------------------------------------ side channel
+    def _held_by_other(self, request_id: str, engine_id: str, releasing: bool = False) -> bool:
+        """The lease is pinned by other engines only, or (``releasing``) P is
+        WRITING from it and ``engine_id`` is not P itself (lock held). A lease
+        nobody pinned yet takes any authenticated engine's renewal or early
+        release: D is only chosen after P answers."""
+        lease = self.table.get(request_id)
+        if lease is None:
+            return False
+        if releasing and self.owner and lease.state is LeaseState.WRITING:
+            return engine_id != self.owner
+        return bool(lease.holders) and all(c.engine_id != engine_id
+                                           for c, _ in lease.holders)
+
     def renew(self, msg: proto.LeaseRenew) -> proto.LeaseStatus:
         """D's heartbeat, or its pin (``acquire``) before it posts READs; a
         pin naming its ``consumer`` holds the lease until that consumer's
@@ -134,11 +155,20 @@ class LeaseService:
             released = {rid for rid in msg.request_ids
                         if (lease := self.table.get(rid)) is not None
                         and lease.state is LeaseState.RELEASED}
-            remaining = [self.table.renew(rid, acquire=msg.acquire, holder=holder)
+            foreign = {rid for rid in msg.request_ids if self._held_by_other(rid, msg.engine_id)}
+            remaining = [proto.LEASE_UNKNOWN if rid in foreign
+                         else self.table.renew(rid, acquire=msg.acquire, holder=holder)
                          for rid in msg.request_ids]
+            self.num_wrong_sender += len(foreign)
             if not msg.acquire:
                 self.num_heartbeats += len(msg.request_ids)
+        if foreign:
+            logger.warning("PDConnector: %s of %d lease(s) from engine %s refused: another "
+                           "engine holds them (first: %s)", "pin" if msg.acquire else
+                           "heartbeat", len(foreign), msg.engine_id, next(iter(foreign)))
         for rid, left in zip(msg.request_ids, remaining, strict=True):
+            if rid in foreign:
+                continue
             if not msg.acquire and self.unknown_heartbeats_expected and (
                     left == proto.LEASE_UNKNOWN or rid in released):
                 continue
@@ -159,6 +189,12 @@ class LeaseService:
         with self.lock:
             for rid in msg.request_ids:
                 lease = self.table.get(rid)
+                if self._held_by_other(rid, msg.engine_id, releasing=True):
+                    self.num_wrong_sender += 1
+                    logger.warning("PDConnector: release of request %s from engine %s "
+                                   "refused: that engine does not hold the lease", rid,
+                                   msg.engine_id)
+                    continue
                 if lease is not None and not 0 <= msg.tp_rank < lease.num_consumers:
                     logger.warning(
                         "PDConnector: release of request %s from engine %s names rank %d; "

@@ -33,6 +33,8 @@ class PushRecvSpec:
     pd_request_id: str
     local_block_ids: list[int]
     num_tokens: int
+    #: The registration's ``notif_token``: only P's notification carries it.
+    notif_token: str = ""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
 
@@ -59,8 +60,10 @@ class _Lane:
 
     def __init__(self, endpoint: Endpoint, timeout_s: float, name: str, idle_ttl_s: float,
                  fail_queued_on_timeout: bool, on_exit: Callable[[_Lane], None],
-                 first: tuple[proto.Request, Callback | None]) -> None:
+                 first: tuple[proto.Request, Callback | None],
+                 auth: FrameAuth | None = None) -> None:
         self.endpoint = endpoint
+        self.auth = auth
         self.timeout_s = timeout_s
         self.idle_ttl_s = idle_ttl_s
         self.fail_queued_on_timeout = fail_queued_on_timeout
@@ -108,7 +111,7 @@ class _Lane:
                 msg, callback = item
                 try:
                     if client is None:  # here, so a failure (EMFILE) fails one message
-                        client = SideChannelClient(self.timeout_s)
+                        client = SideChannelClient(self.timeout_s, auth=self.auth)
                     result = self._send(client, msg)
                 except Exception as exc:  # never let one message end the lane
                     logger.exception("PDConnector: %s to %s:%d failed", type(msg).__name__,
@@ -171,9 +174,12 @@ class Outbox:
 
     def __init__(self, timeout_s: float, name: str = "pd-outbox",
                  idle_ttl_s: float = LANE_IDLE_TTL_S,
-                 fail_queued_on_timeout: bool = False) -> None:
+                 fail_queued_on_timeout: bool = False,
+                 auth: FrameAuth | None = None) -> None:
         self.timeout_s = timeout_s
         self.idle_ttl_s = idle_ttl_s
+        #: Signs every message (a shared secret is configured); None: unsigned.
+        self.auth = auth
         self._name = name
         self._fail_queued = fail_queued_on_timeout
         self._lock = threading.Lock()
@@ -190,7 +196,7 @@ class Outbox:
                 if lane is None:
                     self._lanes[(host, port)] = _Lane(
                         (host, port), self.timeout_s, f"{self._name}-{port}", self.idle_ttl_s,
-                        self._fail_queued, self._forget, (msg, callback))
+                        self._fail_queued, self._forget, (msg, callback), self.auth)
                     return
             if lane.put(msg, callback):
                 return

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.outbox import Outbox
@@ -51,7 +52,8 @@ _REGISTERED_LOG = {
 class PushProducer:
     def __init__(self, engine_id: str, compat: proto.CompatInfo, block_size: int,
                  tp_size: int, leases: LeaseService, notify_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 auth: FrameAuth | None = None) -> None:
         self.engine_id = engine_id
         self.compat = compat
         self.block_size = block_size
@@ -62,10 +64,12 @@ class PushProducer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._orders: dict[int, zmq.Socket[bytes]] = {}
         self._order_lock = threading.Lock()
-        self._outbox = Outbox(notify_timeout_s, name="pd-push-notify")
+        self._outbox = Outbox(notify_timeout_s, name="pd-push-notify", auth=auth)
         self._stats_lock = threading.Lock()
         self._waits: list[float] = []
         self.num_expired_registrations = 0
+        #: Aborts and renewals refused: not from the engine that registered.
+        self.num_wrong_sender = 0
         # pd_request_id -> [D's notify host, port, first failure detail], while
         # a WRITE is ordered. D hears of a failure only once *every* rank has
         # settled: with TP > 1 another rank's WRITE may still be landing.
@@ -129,6 +133,7 @@ class PushProducer:
         with self.leases.atomic():
             reg = self.book.registration(pd_id)
             if reg is not None and reg.engine_id != msg.engine_id:
+                self.num_wrong_sender += 1
                 return proto.ErrorReply(
                     "refused", f"push {pd_id} was registered by engine {reg.engine_id}, not "
                     f"{msg.engine_id}")
@@ -158,6 +163,14 @@ class PushProducer:
 
     def _abort(self, msg: proto.PushAbort) -> proto.Reply:
         with self.leases.atomic():
+            reg = self.book.registration(msg.pd_request_id)
+            if reg is not None and reg.engine_id != msg.engine_id:
+                self.num_wrong_sender += 1
+                logger.warning("PDConnector: abort of push %s from engine %s refused: engine "
+                               "%s registered it", msg.pd_request_id, msg.engine_id,
+                               reg.engine_id)
+                return proto.ErrorReply(
+                    "refused", f"push {msg.pd_request_id} was registered by another engine")
             state, prefill = self.book.abort(msg.pd_request_id)
             if prefill is not None:
                 self._release_all(msg.pd_request_id)
@@ -188,9 +201,10 @@ class PushProducer:
 
     # ------------------------------------------------------------ scheduler
     def prefill_done(self, pd_id: str, request_id: str, block_ids: list[int],
-                     num_tokens: int) -> None:
+                     num_tokens: int, prompt_digest: str = "") -> None:
         """Blocks are pinned and leased under ``pd_id``; match or wait."""
-        prefill = Prefill(request_id, list(block_ids), num_tokens, self._clock())
+        prefill = Prefill(request_id, list(block_ids), num_tokens, self._clock(),
+                          prompt_digest)
         with self.leases.atomic():
             outcome = self.book.prefill_done(pd_id, prefill, self.tp_size)
             if isinstance(outcome, PushState):
@@ -249,6 +263,10 @@ class PushProducer:
         if reg.num_tokens != prefill.num_tokens:
             problem = (f"P prefilled {prefill.num_tokens} tokens but D's prompt has "
                        f"{reg.num_tokens} (different prompt or tokenizer?)")
+        elif reg.prompt_digest and prefill.prompt_digest and (
+                reg.prompt_digest != prefill.prompt_digest):
+            problem = ("D's prompt is not the one P prefilled (prompt digests differ): a "
+                       "push paired with another request's prefill")
         elif n != expected or reg.first_block + n > len(prefill.block_ids):
             problem = (f"block layout mismatch: D registered {n} blocks from block "
                        f"{reg.first_block}; P's prompt has {len(prefill.block_ids)} blocks and "
@@ -274,7 +292,7 @@ class PushProducer:
                 d_engine_id=reg.engine_id, d_request_id=reg.request_id,
                 notify_host=reg.notify_host, notify_port=reg.notify_port,
                 agent=reg.agents[rank], src_block_ids=src, dst_block_ids=list(reg.block_ids),
-                post_before=match.post_before)
+                post_before=match.post_before, notif_token=reg.notif_token)
             try:
                 with self._order_lock:
                     # Never block under the lease lock (a full queue means a

@@ -51,6 +51,7 @@ import msgspec
 import zmq
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.outbox import Outbox
@@ -106,7 +107,8 @@ class Pusher:
                  regions: list[proto.Region], own_side_channel: tuple[str, int],
                  transfer_timeout_s: float, notify_timeout_s: float,
                  on_write: Callable[[int, int, int, float], None] | None = None,
-                 peer_idle_ttl_s: float = PEER_IDLE_TTL_S) -> None:
+                 peer_idle_ttl_s: float = PEER_IDLE_TTL_S,
+                 auth: FrameAuth | None = None) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.transport = transport
@@ -115,7 +117,7 @@ class Pusher:
         self.transfer_timeout_s = transfer_timeout_s
         self.peer_idle_ttl_s = peer_idle_ttl_s
         self._on_write = on_write
-        self._outbox = Outbox(notify_timeout_s, name="pd-push-result")
+        self._outbox = Outbox(notify_timeout_s, name="pd-push-result", auth=auth)
         #: Agent name (the transport's peer name) -> the agent loaded under it.
         self._peers: dict[str, _Peer] = {}
         self._inflight: list[_Write] = []
@@ -187,7 +189,8 @@ class Pusher:
             # Timed from before the post: on one host UCX copies inside it.
             posted = peer.last_used = time.monotonic()
             handle = self.transport.post_write(peer.name, descs, order.agent.device_id,
-                                               proto.push_notif(order.pd_request_id))
+                                               proto.push_notif(order.pd_request_id,
+                                                                order.notif_token))
         except (TransportError, ValueError) as exc:
             peer.num_inflight -= 1
             self._fail_peer(peer)

@@ -9,6 +9,10 @@ different versions refuse each other at the handshake):
 
 - 1: pull mode; handshake with per-rank region layout; lease renew/acquire/release.
 - 2: push mode (``PushRegister`` / ``PushAbort`` / ``PushResult``, P's ``WriteOrder``).
+- 3: ``PushWaiting`` renewals; ``PushAccepted.state`` ``queued``.
+- 4: authentication (``auth.py``): signed frames and legs; P's answer carries
+  ``remote_prompt_digest``; ``PushRegister`` carries the prompt digest and
+  the token P's WRITE notification must echo (``pdx:<token>/<pd_request_id>``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -95,6 +99,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_prefill_cached_tokens: int | None = None
     pd_ext_probe: bool = False
     pd_request_id: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] | None = None
+    #: P's digest of the prompt's token ids (``auth.token_digest``): D refuses
+    #: an answer made for another prompt (protocol 4).
+    remote_prompt_digest: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    #: The proxy's signature (``auth.sign_leg``); checked by ``auth.verify_leg``.
+    pd_sig: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     @property
     def mode(self) -> str:
@@ -217,10 +226,12 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
-    def diff(self, other: CompatInfo) -> list[str]:
-        """Fields that differ, as ``name: ours=X theirs=Y``."""
+    def diff(self, other: CompatInfo, ours: bool = True) -> list[str]:
+        """Fields that differ, as ``name: ours=X theirs=Y`` (``ours=False``:
+        ``name: theirs=Y``, for a peer that must not learn our values)."""
         return [
-            f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}"
+            f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}" if ours
+            else f"{f} differs: theirs={getattr(other, f)!r}"
             for f in self.__struct_fields__
             if getattr(self, f) != getattr(other, f)
         ]
@@ -331,6 +342,11 @@ class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=Tru
     num_tokens: Annotated[int, msgspec.Meta(ge=0)]
     #: P posts no WRITE later than this many seconds after receipt.
     ttl_s: Ttl
+    #: ``auth.token_digest`` of D's prompt: P refuses to write another prompt's KV.
+    prompt_digest: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    #: Random per registration: P's WRITE notification echoes it, so D counts
+    #: only a notification from the P it registered with.
+    notif_token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
 
 
 class PushAcceptedState(enum.StrEnum):
@@ -426,15 +442,21 @@ class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
     dst_block_ids: list[int]
     #: ``time.monotonic()`` (host-wide) after which the WRITE must not be posted.
     post_before: float
+    #: D's ``PushRegister.notif_token``, echoed in the notification.
+    notif_token: str = ""
 
 
-def push_notif(pd_request_id: str) -> bytes:
-    """The NIXL notification that tells D a WRITE has landed."""
-    return b"pdx:" + pd_request_id.encode()
+def push_notif(pd_request_id: str, token: str = "") -> bytes:
+    """The NIXL notification that tells D a WRITE has landed: ``pdx:<token>/<id>``."""
+    return b"pdx:" + token.encode() + b"/" + pd_request_id.encode()
 
 
-def parse_push_notif(msg: bytes) -> str | None:
-    return msg[4:].decode(errors="replace") if msg.startswith(b"pdx:") else None
+def parse_push_notif(msg: bytes) -> tuple[str, str] | None:
+    """(pd_request_id, token) of a WRITE notification; None for anything else."""
+    if not msg.startswith(b"pdx:") or b"/" not in msg:
+        return None
+    token, _, pd_id = msg[4:].partition(b"/")
+    return pd_id.decode(errors="replace"), token.decode(errors="replace")
 
 
 Request = (HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushWaiting | PushAbort

@@ -95,6 +95,8 @@ class Prefill:
     block_ids: list[int]
     num_tokens: int
     finished_at: float
+    #: ``auth.token_digest`` of the prompt P prefilled ("": not known).
+    prompt_digest: str = ""
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd_ext import compat
+from vllm_pd_ext import auth, compat
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.affinity import bind_engine_core
 from vllm_pd_ext.config import PDConfig
@@ -107,14 +107,30 @@ class PDScheduler:
         self.engine_id = compat.engine_id(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.host = cfg.side_channel_host
+        #: Where the side channel listens, and the address peers are told.
+        self.bind_host = cfg.side_channel_host
+        self.host = cfg.advertised_host
+        self.auth = cfg.frame_auth()
+        if self.auth is None:
+            logger.warning(
+                "PDConnector: no shared secret (auth_secret_file, or the environment variable "
+                "%s): the side channel and kv_transfer_params are unauthenticated; run only "
+                "on an isolated network (docs/security.md)",
+                cfg.auth_secret_env or auth.DEFAULT_SECRET_ENV)
+        else:
+            logger.info("PDConnector: side channel and legs authenticated (%s)",
+                        self.auth.keyring.describe())
+        #: P: requests whose do_remote_decode leg failed authentication.
+        self._unsigned: set[str] = set()
         self.port = compat.side_channel_port(vllm_config, cfg.side_channel_port)
         self.compat = compat.compat_info(vllm_config, cfg.transfer_mode)
         # P's leases; push: D heartbeats from arrival, before P knows the id.
         self.leases = LeaseService(LeaseTable(cfg.lease_duration, time.monotonic),
-                                   unknown_heartbeats_expected=cfg.transfer_mode == "push")
+                                   unknown_heartbeats_expected=cfg.transfer_mode == "push",
+                                   owner=self.engine_id)
         self.heartbeats = HeartbeatSender(
-            self.engine_id, cfg.effective_heartbeat_interval, cfg.handshake_timeout)
+            self.engine_id, cfg.effective_heartbeat_interval, cfg.handshake_timeout,
+            auth=self.auth)
         self._server: SideChannelServer | None = None
         self._block_pool: Any = None
         # P side: pinned blocks per leased request id.
@@ -122,6 +138,8 @@ class PDScheduler:
         self._stats = PDStats()
         self._reported_heartbeats = 0
         self._reported_late = 0
+        self._reported_unauth = 0
+        self._reported_wrong = 0
         # D side: one record per request; the step's output for the workers.
         self._d: dict[str, DRequest] = {}
         #: (P engine id, lease key) -> the D request using it.
@@ -135,11 +153,13 @@ class PDScheduler:
         self._pending_push: list[PushRecvSpec] = []
         if self.push:
             self.producer = PushProducer(self.engine_id, self.compat, self.block_size,
-                                         self.tp_size, self.leases, cfg.handshake_timeout)
+                                         self.tp_size, self.leases, cfg.handshake_timeout,
+                                         auth=self.auth)
             self.consumer = PushConsumer(self.engine_id, self.compat, self.host, self.port,
                                          cfg.push_timeout, cfg.handshake_timeout,
                                          write_timeout_s=cfg.transfer_timeout,
-                                         queue_timeout_s=cfg.push_queue_timeout)
+                                         queue_timeout_s=cfg.push_queue_timeout,
+                                         auth=self.auth)
         #: D, push: sleeps through empty steps while D waits for P (idle_wait.py).
         self.idle: IdleWait | None = None
         if (self.consumer is not None and cfg.push_idle_wait_ms > 0
@@ -164,8 +184,8 @@ class PDScheduler:
             self.idle.connect([m.wake_endpoint for m in metadata.values()
                                if isinstance(m, PDHandshakeMetadata) and m.wake_endpoint])
         self._server = SideChannelServer(
-            self.host, self.port, self.engine_id, self.compat, agents, self.leases,
-            push=_PushDispatch(self) if self.push else None)
+            self.bind_host, self.port, self.engine_id, self.compat, agents, self.leases,
+            push=_PushDispatch(self) if self.push else None, auth=self.auth)
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
@@ -185,6 +205,24 @@ class PDScheduler:
                 return
             self._refuse(rid, str(exc))
             return
+        if params is not None and (params.do_remote_prefill or params.do_remote_decode):
+            problem = self._leg_auth_problem(request.kv_transfer_params)
+            if problem is not None:
+                self._stats.inc("num_unauthenticated")
+                if params.do_remote_prefill:
+                    self._refuse(rid, f"unauthenticated kv_transfer_params: {problem}")
+                else:
+                    self._unsigned.add(rid)
+                    logger.error("PDConnector: request %s: unauthenticated kv_transfer_params "
+                                 "(%s); its KV is not handed over", rid, problem)
+                return
+            digest = params.remote_prompt_digest
+            if (params.do_remote_prefill and digest and not compat.is_rejection_notice(request)
+                    and digest != auth.token_digest(request.prompt_token_ids)):
+                self._refuse(rid, "kv_transfer_params come from the prefill of another prompt "
+                             "(P's prompt digest differs from this request's): its KV would "
+                             "not match")
+                return
         if params is None or not params.do_remote_prefill:
             if (params is not None and params.do_remote_decode and self.producer is not None
                     and params.mode == "push" and not params.pd_ext_probe
@@ -219,6 +257,21 @@ class PDScheduler:
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
                     rid, _lease_key(params), params.remote_engine_id, params.mode)
 
+    def _leg_auth_problem(self, raw: Any) -> str | None:
+        """Why the proxy's signature on these params does not hold; None if it does.
+
+        The API server's middleware (leg_auth.py) already refused a bad leg
+        with a 4xx; this is the EngineCore's own check, so an engine started
+        without that middleware still never acts on an unsigned leg.
+        """
+        if self.auth is None:
+            return None
+        try:
+            auth.verify_leg(self.auth.keyring, raw)
+        except auth.AuthError as exc:
+            return exc.reason
+        return None
+
     def _refuse(self, rid: str, why: str) -> None:
         self._d[rid] = DRequest(None, bad=why)
         logger.error("PDConnector: request %s: %s; its KV load will fail", rid, why)
@@ -244,10 +297,16 @@ class PDScheduler:
                 d.loading = True
             return
         params = d.params
-        half = self.consumer if params.mode == "push" else self.pull
-        assert half is not None  # a push request on a pull engine was refused on arrival
-        spec = half.allocate(rid, params, request.num_prompt_tokens, num_external_tokens,
-                             compat.new_block_ids(blocks))
+        local_blocks = compat.new_block_ids(blocks)
+        spec: Any
+        if params.mode == "push":
+            assert self.consumer is not None  # a push request on a pull engine was refused
+            spec = self.consumer.allocate(
+                rid, params, request.num_prompt_tokens, num_external_tokens, local_blocks,
+                prompt_digest=auth.token_digest(request.prompt_token_ids))
+        else:
+            spec = self.pull.allocate(rid, params, request.num_prompt_tokens,
+                                      num_external_tokens, local_blocks)
         if spec is None or isinstance(spec, LayoutProblem):
             self.heartbeats.untrack(rid)  # P was told it is not needed
         if spec is None:
@@ -348,6 +407,9 @@ class PDScheduler:
             return False, None
         if params is None or not params.do_remote_decode:
             return False, None
+        if rid in self._unsigned:
+            self._unsigned.discard(rid)
+            return False, None
         if self.producer is not None and params.mode == "push" and params.pd_request_id:
             self.producer.retire(str(params.pd_request_id))
         identity = KVTransferParams(
@@ -389,9 +451,10 @@ class PDScheduler:
         self._stats.inc("num_leases_granted")
         logger.info("PDConnector: prefill %s done; lease on %d blocks for %.0f s",
                     rid, len(block_ids), self.cfg.lease_duration)
+        digest = auth.token_digest(request.prompt_token_ids)
         if self.producer is not None:
             self.producer.prefill_done(key, rid, list(block_ids),
-                                       int(request.num_computed_tokens))
+                                       int(request.num_computed_tokens), digest)
         # vLLM drops its own references now; ours keep the blocks until _sweep.
         return False, answer_params(msgspec.structs.replace(
             identity,
@@ -399,6 +462,7 @@ class PDScheduler:
             remote_request_id=key,
             remote_num_tokens=int(request.num_computed_tokens),
             remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
+            remote_prompt_digest=digest,
         ))
 
     def _finish_consumer(self, rid: str, d: DRequest) -> tuple[bool, None]:
@@ -447,6 +511,15 @@ class PDScheduler:
         self._stats.inc("num_heartbeats", hb - self._reported_heartbeats)
         self._stats.inc("num_late_messages", late - self._reported_late)
         self._reported_heartbeats, self._reported_late = hb, late
+        if self._server is not None:
+            refused = self._server.num_unauthenticated
+            self._stats.inc("num_unauthenticated", refused - self._reported_unauth)
+            self._reported_unauth = refused
+        wrong = counters.num_wrong_sender + (
+            self.consumer.num_wrong_sender if self.consumer is not None else 0) + (
+            self.producer.num_wrong_sender if self.producer is not None else 0)
+        self._stats.inc("num_wrong_sender", wrong - self._reported_wrong)
+        self._reported_wrong = wrong
         return self._stats.take()
 
     @property

@@ -9,6 +9,15 @@ thread, started when the workers' metadata is known
 decoded once by ``protocol.decode_request``; garbage gets an ``ErrorReply``
 naming the problem and the thread keeps serving.
 
+Authentication (``auth.FrameAuth``, when a shared secret is configured):
+a request is two frames, ``[FrameHeader, message]``; the server checks the
+MAC, the timestamp window and the nonce *before* decoding the message, and
+answers anything else with an unsigned ``ErrorReply("unauthenticated")``
+that changes nothing (counted in ``num_unauthenticated``). Replies are
+signed over the request's nonce; the client refuses an unsigned reply other
+than an error. Without a secret, frames are today's single part and a
+compat refusal does not reveal our own values (the peer is unauthenticated).
+
 ``SideChannelClient`` is the other end: request/reply with a timeout, one REQ
 socket per endpoint, owned by a single thread (zmq sockets are not
 thread-safe), rebuilt after a timeout because a REQ socket that missed its
@@ -26,6 +35,7 @@ import msgspec
 import zmq
 
 from vllm_pd_ext import protocol as proto
+from vllm_pd_ext.auth import AuthError, FrameAuth
 
 # Re-exported for the tests that build a P side from this module.
 from vllm_pd_ext.lease_service import LeaseService as LeaseService
@@ -80,8 +90,14 @@ class SideChannelServer:
         agents: dict[int, proto.AgentInfo],
         leases: LeaseService | None,
         push: PushHandler | None = None,
+        auth: FrameAuth | None = None,
     ) -> None:
         self.engine_id = engine_id
+        self.auth = auth
+        #: Frames refused by authentication (``unauthenticated`` replies).
+        self.num_unauthenticated = 0
+        self._auth_logged_at = -1e9
+        self._auth_unlogged = 0
         self.push = push
         self.compat = compat
         self.agents = agents
@@ -127,18 +143,55 @@ class SideChannelServer:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 continue
-            if len(frames) < 3:
-                # REQ clients send [identity, b"", payload]; anything else is noise.
+            if len(frames) < 3 or frames[1] != b"":
+                # REQ clients send [identity, b"", payload...]; anything else is noise.
                 logger.warning("PDConnector: side channel dropped a %d-frame message",
                                len(frames))
                 continue
-            reply = self.handle(frames[-1])
             try:
-                self._sock.send_multipart([frames[0], b"", proto.encode(reply)], zmq.NOBLOCK)
+                out = self.handle_frames(frames[2:])
+            except Exception:  # never let one message kill the thread
+                logger.exception("PDConnector: side-channel frame handling failed")
+                out = [proto.encode(proto.ErrorReply("internal", "internal error"))]
+            try:
+                self._sock.send_multipart([frames[0], b"", *out], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # peer gone
                 logger.debug("PDConnector: side channel reply dropped: %s", exc)
 
-    def handle(self, payload: bytes) -> proto.Reply:
+    def handle_frames(self, parts: list[bytes]) -> list[bytes]:
+        """One request's frames (after the envelope) -> the reply's frames."""
+        if self.auth is None:
+            if len(parts) != 1:
+                return [proto.encode(proto.ErrorReply(
+                    "unauthenticated", f"engine {self.engine_id} has no shared secret "
+                    "configured but the peer signs its frames: give every engine and the "
+                    "proxy the same secret"))]
+            return [proto.encode(self.handle(parts[0]))]
+        if len(parts) != 2:
+            return self._unauthenticated("frame is not signed (this engine requires the "
+                                         "shared secret)")
+        try:
+            nonce = self.auth.verify_request(parts[0], parts[1])
+        except AuthError as exc:
+            return self._unauthenticated(exc.reason)
+        body = proto.encode(self.handle(parts[1], authenticated=True))
+        return [self.auth.sign_reply(body, nonce), body]
+
+    def _unauthenticated(self, reason: str) -> list[bytes]:
+        self.num_unauthenticated += 1
+        # One hostile peer may send a flood: a line per 10 s, with the count.
+        now = time.monotonic()
+        if now - self._auth_logged_at >= 10.0:
+            logger.warning("PDConnector: side channel %s refused %d unauthenticated frame(s); "
+                           "latest: %s", self.address, self._auth_unlogged + 1, reason)
+            self._auth_logged_at, self._auth_unlogged = now, 0
+        else:
+            self._auth_unlogged += 1
+        return [proto.encode(proto.ErrorReply("unauthenticated", f"unauthenticated: {reason}"))]
+
+    def handle(self, payload: bytes, authenticated: bool = False) -> proto.Reply:
+        """Decode and answer one message; ``authenticated``: its frame's MAC
+        was verified (an incompatible peer may then be told our values)."""
         try:
             msg = proto.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -146,6 +199,10 @@ class SideChannelServer:
                            len(payload), exc)
             return proto.ErrorReply("malformed", f"malformed side-channel message: {exc}")
         try:
+            if isinstance(msg, proto.HandshakeRequest | proto.PushRegister):
+                diff = self.compat.diff(msg.compat)
+                if diff:
+                    return self._incompatible(msg, diff, authenticated)
             return self._dispatch(msg)
         except Exception as exc:  # never let one message kill the thread
             logger.exception("PDConnector: side-channel handler failed")
@@ -154,12 +211,16 @@ class SideChannelServer:
     def _dispatch(self, msg: proto.Request) -> proto.Reply:
         return self._handlers[type(msg)](msg)
 
+    def _incompatible(self, msg: proto.HandshakeRequest | proto.PushRegister,
+                      diff: list[str], authenticated: bool) -> proto.Reply:
+        what = "handshake" if isinstance(msg, proto.HandshakeRequest) else "push registration"
+        logger.error("PDConnector: refused %s from engine %s: incompatible %s", what,
+                     msg.engine_id, "; ".join(diff))
+        # An unauthenticated peer learns which fields differ, not our values.
+        told = diff if authenticated else self.compat.diff(msg.compat, ours=False)
+        return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(told))
+
     def _on_handshake(self, msg: proto.HandshakeRequest) -> proto.Reply:
-        diff = self.compat.diff(msg.compat)
-        if diff:
-            logger.error("PDConnector: refused handshake from engine %s: incompatible %s",
-                         msg.engine_id, "; ".join(diff))
-            return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
         agent = self.agents.get(msg.tp_rank)
         if agent is None:
             return proto.ErrorReply(
@@ -182,12 +243,7 @@ class SideChannelServer:
         return reply
 
     def _on_push_register(self, msg: proto.PushRegister) -> proto.Reply:
-        diff = self.compat.diff(msg.compat)
-        if diff:
-            logger.error("PDConnector: refused push registration from engine %s: "
-                         "incompatible %s", msg.engine_id, "; ".join(diff))
-            return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(diff))
-        return self._on_push(msg)
+        return self._on_push(msg)  # compat was checked in handle
 
     def _on_push(self, msg: proto.PushRegister | proto.PushWaiting | proto.PushAbort
                  | proto.PushResult) -> proto.Reply:
@@ -222,7 +278,8 @@ class SideChannelClient:
     IDLE_TTL_S = 60.0
 
     def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 idle_ttl_s: float = IDLE_TTL_S) -> None:
+                 idle_ttl_s: float = IDLE_TTL_S, auth: FrameAuth | None = None) -> None:
+        self.auth = auth
         self.timeout_ms = int(timeout_s * 1000)
         self.idle_ttl_s = idle_ttl_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -249,8 +306,14 @@ class SideChannelClient:
                 # Inside the try: libzmq refuses some addresses here
                 # (``tcp://p 1:5600``), and that must fail this request only.
                 sock.connect(addr)
-            sock.send(proto.encode(msg))
-            data = sock.recv()
+            body = proto.encode(msg)
+            nonce = b""
+            if self.auth is None:
+                sock.send(body)
+            else:
+                header, nonce = self.auth.sign_request(body)
+                sock.send_multipart([header, body])
+            parts = sock.recv_multipart()
         except zmq.ZMQError as exc:
             if sock is not None:
                 sock.close()
@@ -262,11 +325,23 @@ class SideChannelClient:
                 if timed_out else f"side channel {addr}: {exc}",
                 "timeout" if timed_out else "unreachable",
             ) from exc
+        data = parts[-1]
         try:
             reply = proto.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise SideChannelError(f"side channel {addr} sent a malformed reply: {exc}",
                                    "bad_reply") from exc
+        if self.auth is not None and not isinstance(reply, proto.ErrorReply):
+            # An unsigned error can only fail this request; anything else
+            # must come from a holder of the secret.
+            try:
+                if len(parts) != 2:
+                    raise AuthError("the peer's reply is not signed (has it no shared "
+                                    "secret configured?)")
+                self.auth.verify_reply(parts[0], data, nonce)
+            except AuthError as exc:
+                raise SideChannelError(f"side channel {addr}: {exc.reason}",
+                                       "unauthenticated") from None
         if isinstance(reply, proto.ErrorReply):
             raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply

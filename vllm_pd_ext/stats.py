@@ -26,6 +26,8 @@ COUNTERS = (
     "num_writes",
     "bytes_written",
     "num_registration_expiries",
+    "num_unauthenticated",
+    "num_wrong_sender",
 )
 SERIES = ("transfer_seconds", "wait_seconds", "write_seconds", "descriptors_per_write",
           "registration_wait_seconds")
@@ -144,6 +146,13 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "num_registration_expiries": counter(
                 "push_registration_expiries",
                 "Push: D registrations whose prefill never finished in time (P)."),
+            "num_unauthenticated": counter(
+                "unauthenticated",
+                "Side-channel frames and kv_transfer_params refused by authentication."),
+            "num_wrong_sender": counter(
+                "wrong_sender",
+                "Lease and push messages refused: not from the engine holding that lease "
+                "or registration."),
         }
         self.histograms = {
             "transfer_seconds": histogram("kv_transfer_seconds", "READ post to completion (D)."),

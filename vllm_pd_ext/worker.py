@@ -53,6 +53,8 @@ class PDWorker:
             tp_rank = get_tensor_model_parallel_rank()
         self.tp_rank = tp_rank
         self.compat = compat.compat_info(vllm_config, cfg.transfer_mode)
+        #: Signs this worker's side-channel messages (pins, releases, results).
+        self.auth = cfg.frame_auth()
         self.transport = transport
         self.regions: list[Region] = []
         self.agent: AgentInfo | None = None
@@ -110,11 +112,11 @@ class PDWorker:
                 self.cfg.nixl_progress_interval_ms / 1e3, keep_notifs=push,
                 on_notif=self.waker.wake if self.waker is not None else None)
         if push and kv_cfg.is_kv_producer:
-            own = (self.cfg.side_channel_host,
+            own = (self.cfg.advertised_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
             self.pusher = Pusher(self.engine_id, self.tp_rank, self.transport, self.regions,
                                  own, self.cfg.transfer_timeout, self.cfg.handshake_timeout,
-                                 on_write=self._record_write)
+                                 on_write=self._record_write, auth=self.auth)
         if push and kv_cfg.is_kv_consumer:
             self.receiver = PushReceiver(self.transport)
         self.agent = AgentInfo(
@@ -167,7 +169,8 @@ class PDWorker:
             self.reader = PullReader(
                 self.engine_id, self.tp_rank, self.compat, self.transport, self.regions,
                 side_channel_timeout_s=self.cfg.handshake_timeout,
-                transfer_timeout_s=self.cfg.transfer_timeout, on_loaded=self._loaded)
+                transfer_timeout_s=self.cfg.transfer_timeout, on_loaded=self._loaded,
+                auth=self.auth)
         return self.reader
 
     def _advance_pull(self) -> None:

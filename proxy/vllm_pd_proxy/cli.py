@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from vllm_pd_ext.auth import DEFAULT_SECRET_ENV, Keyring, SecretError
+
 from . import __version__
 from .config import TRANSFER_MODES, ConfigError, ProxyConfig
 from .routing import POLICIES
@@ -219,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"health, /v1/models and identity probe calls (client calls carry the "
         f"client's Authorization); default: ${API_KEY_ENV}",
     )
+    g.add_argument(
+        "--auth-secret-file",
+        metavar="PATH",
+        default=None,
+        help=f"file holding the shared secret(s) of the engines' kv_connector_extra_config "
+        f"(auth_secret_file); the proxy signs every leg's kv_transfer_params with it; "
+        f"default: ${DEFAULT_SECRET_ENV}, else legs are unsigned (docs/security.md)",
+    )
     g = p.add_argument_group("runtime")
     g.add_argument(
         "--log-level",
@@ -263,7 +273,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_total_body_bytes=args.max_total_body_bytes,
         max_sse_event_bytes=args.max_sse_event_bytes,
         backend_api_key=getattr(args, "backend_api_key", None) or os.environ.get(API_KEY_ENV),
+        auth=_keyring(args.auth_secret_file),
     ).validated()
+
+
+def _keyring(path: str | None) -> Keyring | None:
+    try:
+        return Keyring.load(None, path)
+    except SecretError as exc:
+        raise ConfigError(str(exc).replace("auth_secret_file", "--auth-secret-file")) from None
 
 
 def _event_loop(choice: str) -> asyncio.AbstractEventLoop | None:
@@ -293,6 +311,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .app import create_app  # after logging is set up
 
     app = create_app(config)
+    if config.auth is None:
+        logger.warning(
+            "no shared secret (--auth-secret-file or $%s): legs are sent unsigned and engines "
+            "with a secret refuse them; without one, run only on an isolated network "
+            "(docs/security.md)", DEFAULT_SECRET_ENV)
+    else:
+        logger.info("legs signed (%s)", config.auth.describe())
     logger.info(
         "vllm-pd-proxy %s on http://%s:%d mode=%s routing=%s "
         "max_inflight_per_prefill=%d prefill=%s decode=%s",

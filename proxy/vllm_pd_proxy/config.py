@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from vllm_pd_ext.auth import Keyring
+
 TransferMode = Literal["pull", "push"]
 TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
 
@@ -86,6 +88,9 @@ class ProxyConfig:
     # identity probes) to engines started with --api-key. repr=False: the
     # config may be logged or printed, the key must not be.
     backend_api_key: str | None = field(default=None, repr=False)
+    # The shared secret(s) that sign every leg's kv_transfer_params
+    # (vllm_pd_ext.auth); None: legs unsigned (isolated networks only).
+    auth: Keyring | None = field(default=None, repr=False)
 
     def validated(self) -> ProxyConfig:
         """Return a copy with normalized URLs; raise ConfigError on bad values."""

@@ -36,6 +36,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from vllm_pd_ext.auth import sign_leg
+
 from . import errors
 from .admission import PrefillGate, PrefillSlot
 from .backends import Backend, Pool, PrefillIdentity
@@ -136,6 +138,15 @@ class Forwarder:
             held.release()
             ctx.finish(loop.time(), self._metrics)
 
+    def _sign(self, params: dict[str, Any], ctx: RequestContext, body: dict[str, Any]
+              ) -> dict[str, Any]:
+        """``params`` signed for this request and prompt (a shared secret is set),
+        so an engine with the secret can tell our legs from anyone else's."""
+        keyring = self._config.auth
+        if keyring is None:
+            return params
+        return sign_leg(keyring, params, ctx.request_id, body)
+
     # -- decisions -----------------------------------------------------------
 
     async def _route(
@@ -231,7 +242,7 @@ class Forwarder:
         decode: Backend | None,
         prefix: Hashable | None,
     ) -> web.StreamResponse:
-        p_body = _encode(prefill_body(body, pull_prefill_params()))
+        p_body = _encode(prefill_body(body, self._sign(pull_prefill_params(), ctx, body)))
         answer = await self._prefill_with_retry(ctx, p_body, headers)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params:
@@ -243,7 +254,7 @@ class Forwarder:
                 "cache; is the engine running a KV connector with kv_role kv_producer or "
                 "kv_both?",
             )
-        d_body = _encode(decode_body(body, params))
+        d_body = _encode(decode_body(body, self._sign(params, ctx, body)))
         tried: list[Backend] = []
         while True:
             try:
@@ -338,8 +349,9 @@ class Forwarder:
         # The key both engines file the push under: unique per dispatch even
         # when clients reuse an X-Request-Id (a duplicate key is refused).
         pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
-        p_body = _encode(prefill_body(body, push_prefill_params(pd_id)))
-        d_body = _encode(decode_body(body, push_decode_params(identity, pd_id)))
+        p_body = _encode(prefill_body(body, self._sign(push_prefill_params(pd_id), ctx, body)))
+        d_body = _encode(
+            decode_body(body, self._sign(push_decode_params(identity, pd_id), ctx, body)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
         p_task = asyncio.ensure_future(self._push_prefill_leg(ctx, slot, identity, p_body, headers))
         answered = False

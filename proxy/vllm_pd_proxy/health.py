@@ -32,6 +32,8 @@ from typing import Any
 
 import aiohttp
 
+from vllm_pd_ext.auth import sign_leg
+
 from . import errors
 from .backends import Backend, Pool, PrefillIdentity
 from .config import ProxyConfig
@@ -279,8 +281,10 @@ class HealthMonitor:
         self._metrics.probes.labels("success").inc()
         return identity
 
-    async def _get_json(self, method: str, url: str, body: Any = None) -> Any:
-        headers = {**self._auth, "X-Request-Id": "pd-probe-" + uuid.uuid4().hex}
+    async def _get_json(self, method: str, url: str, body: Any = None,
+                        request_id: str | None = None) -> Any:
+        rid = request_id or "pd-probe-" + uuid.uuid4().hex
+        headers = {**self._auth, "X-Request-Id": rid}
         try:
             async with asyncio.timeout(self._config.health_timeout):
                 async with self._session.request(method, url, json=body, headers=headers) as r:
@@ -309,13 +313,18 @@ class HealthMonitor:
             "prompt": [1],
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True, "pd_ext_probe": True},
         }
-        answer = await self._get_json("POST", backend.url + "/v1/completions", probe)
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-        if not isinstance(params, dict):
+        rid = "pd-probe-" + uuid.uuid4().hex
+        params: dict[str, Any] = {"do_remote_decode": True, "pd_ext_probe": True}
+        if self._config.auth is not None:
+            # An engine with a secret answers only a signed probe.
+            params = sign_leg(self._config.auth, params, rid, probe)
+        probe["kv_transfer_params"] = params
+        answer = await self._get_json("POST", backend.url + "/v1/completions", probe, rid)
+        answered = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(answered, dict):
             raise ProbeError("probe answer has no kv_transfer_params")
-        return identity_from_params(params)
+        return identity_from_params(answered)
 
 
 def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:

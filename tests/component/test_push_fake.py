@@ -163,9 +163,9 @@ def rig():
     r.close()
 
 
-def spec(pd_id="pd1") -> PushRecvSpec:
+def spec(pd_id="pd1", token="") -> PushRecvSpec:
     return PushRecvSpec(request_id="d-req", pd_request_id=pd_id, local_block_ids=DST,
-                        num_tokens=48)
+                        num_tokens=48, notif_token=token)
 
 
 def assert_failed(rig: Rig, pd_id: str, detail: str) -> None:
@@ -220,6 +220,22 @@ def test_notification_before_spec_is_kept(rig):
     rig.receiver.expect(spec(), time.monotonic())
     [got] = rig.receiver.collect(time.monotonic())
     assert got.spec.request_id == "d-req"
+    assert rig.d_block(0, 9) == rig.p_block(0, 7)
+
+
+def test_only_a_notification_with_the_registrations_token_counts(rig):
+    """Issue 12 item 3: a WRITE notification counts only if it echoes the
+    token D sent the P it registered with; another sender's (forged, or
+    another P's for the same id) is dropped and D keeps waiting."""
+    rig.receiver.expect(spec(token="c0ffee"), time.monotonic())
+    rig.d_t.notifs.append(proto.push_notif("pd1", "bad"))
+    rig.d_t.notifs.append(proto.push_notif("pd1"))
+    assert rig.receiver.collect(time.monotonic()) == []
+    assert rig.receiver.num_waiting == 1 and rig.receiver.num_foreign == 2
+    rig.order(notif_token="c0ffee")
+    landed: list = []
+    assert wait_for(lambda: landed.extend(rig.receiver.collect(time.monotonic())) or landed)
+    assert landed[0].spec.notif_token == "c0ffee"
     assert rig.d_block(0, 9) == rig.p_block(0, 7)
 
 

@@ -263,11 +263,31 @@ def test_two_consumers_pin_the_lease_first_release_keeps_it(server, client, serv
     The first one's release must not free blocks the second may be reading."""
     service.grant("r", num_consumers=1)
     assert pin(client, server.port, "r", "d-req-1").remaining_s[0] > 0
-    assert pin(client, server.port, "r", "d-req-2", engine="eng-d2").remaining_s[0] > 0
+    assert pin(client, server.port, "r", "d-req-2").remaining_s[0] > 0
     release(client, server.port, "r", "d-req-1")
     assert service.table.get("r").state is LeaseState.READING
     assert service.sweep().released == []
-    release(client, server.port, "r", "d-req-2", engine="eng-d2")
+    release(client, server.port, "r", "d-req-2")
+    assert service.sweep().released == ["r"]
+
+
+def test_a_pinned_lease_takes_renewals_and_releases_only_from_its_holder(server, client,
+                                                                         service):
+    """Issue 12 item 3: once D pinned a lease, another engine can neither
+    renew, pin nor release it (it would keep or free blocks D is reading)."""
+    service.grant("r", num_consumers=1)
+    assert pin(client, server.port, "r", "d-req-1").remaining_s[0] > 0
+    assert pin(client, server.port, "r", "x", engine="eng-other").remaining_s == [
+        proto.LEASE_UNKNOWN]
+    beat = client.request(HOST, server.port, proto.LeaseRenew(
+        engine_id="eng-other", request_ids=["r"]))
+    assert beat.remaining_s == [proto.LEASE_UNKNOWN]
+    release(client, server.port, "r", "d-req-1", engine="eng-other")
+    release(client, server.port, "r", "", engine="eng-other")
+    assert service.table.get("r").state is LeaseState.READING
+    assert service.sweep().released == []
+    assert service.counters().num_wrong_sender == 4
+    release(client, server.port, "r", "d-req-1")
     assert service.sweep().released == ["r"]
 
 

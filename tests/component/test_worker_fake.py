@@ -21,6 +21,7 @@ from vllm_pd_ext.lease_service import LeaseService
 from vllm_pd_ext.leases import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
 from vllm_pd_ext.side_channel import SideChannelServer
+from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.worker import PDWorker
 
@@ -518,3 +519,34 @@ def test_unexpected_post_exception_fails_that_load_only(make_pair, monkeypatch):
     assert recving == {"d2"} and not failed
     assert_blocks_copied(pair, second.local_block_ids, second.remote_block_ids)
     assert pair.d_worker.reader is not None and pair.d_worker.reader.num_peers == 1
+
+
+def test_read_that_ends_after_the_pinned_lease_is_not_trusted(make_pair, caplog):
+    """A READ still running when P's pinned lease could have expired (P frozen
+    mid-READ: on resume it sweeps and refills the blocks before serving the
+    READ) may have copied reused blocks: the load fails with lease_lost, its
+    KV is not used (found by the CI soak's SIGSTOP fault over TCP)."""
+    pair = make_pair(lease_s=1.0)
+    pair.grant()
+    orig = pair.d_transport.poll
+    until = time.monotonic() + 1.5  # past the pin's 1 s
+    pair.d_transport.poll = lambda h: XferState.PROC if time.monotonic() < until else orig(h)
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    assert "after P's pinned lease could have expired" in caplog.text
+    assert "lease_lost" in caplog.text
+    assert pair.d_transport.live_handles == {}
+
+
+def test_read_that_ends_inside_the_pinned_lease_loads(make_pair):
+    """The control: the same slow READ inside a longer lease loads normally."""
+    pair = make_pair(lease_s=10.0)
+    pair.grant()
+    orig = pair.d_transport.poll
+    until = time.monotonic() + 1.5
+    pair.d_transport.poll = lambda h: XferState.PROC if time.monotonic() < until else orig(h)
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert recving == {"d-req"} and failed == set()
+    assert_blocks_copied(pair, (1, 2, 3, 7), (4, 5, 6, 0))

@@ -66,6 +66,11 @@ def test_oracle_calls_output_on_decoy_kv_different(ref: Engine, p: Engine, d: En
     for name, decoy in decoys(prompt, seed).items():
         assert len(decoy) == n_tokens and decoy != prompt
         params = prefill(p, completion_body(model, decoy, max_tokens=1))
+        # D now refuses a P answer made for another prompt (its digest):
+        # the oracle must still see wrong KV where that check is absent
+        # (vLLM's NixlConnector, or a P without the digest), so the decoy
+        # leg goes without it.
+        assert params.pop("remote_prompt_digest")
         # A salt of its own keeps D's prefix cache out of it both ways: no
         # hit on the genuine blocks, and the decoy's KV is cached under keys
         # that no other request uses.

@@ -342,8 +342,8 @@ def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str
         p, "mode-mismatch-1", "whatever")))
     assert status >= 500, got
     assert time.monotonic() - started < D_DEADLINE_S / 2
-    assert "incompatible peer: transfer_mode: ours='pull' theirs='push'" in (
-        push["d"].log_text())
+    assert "incompatible peer: transfer_mode differs: theirs='push'" in push["d"].log_text()
+    assert "transfer_mode: ours='pull' theirs='push'" in p.log_text()
     status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
         push["p"], "mode-mismatch-2", "whatever")))
     assert status >= 500, got

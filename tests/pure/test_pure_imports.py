@@ -24,6 +24,8 @@ PURE = [
     "protocol",
     "config",
     "log",
+    "auth",
+    "leg_auth",
     "side_channel",
     "outbox",
     "heartbeats",

@@ -26,7 +26,7 @@ from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.leases import LeaseState
 from vllm_pd_ext.metadata import PDHandshakeMetadata
 from vllm_pd_ext.pushbook import PushState
-from vllm_pd_ext.side_channel import SideChannelClient
+from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
 
 HOST = "127.0.0.1"
 LEASE_S = 2.0
@@ -97,8 +97,15 @@ def step(sched, **output_kw):
     return out, core
 
 
-def prefill_on_p(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "p-internal"):
-    req = create_request(num_tokens, request_id=request_id, max_tokens=1, kv_transfer_params={
+def same_prompt(num_tokens: int) -> list[int]:
+    """P and D of one push see the same prompt (P checks its digest)."""
+    return [10 + (7 * i) % 3000 for i in range(num_tokens)]
+
+
+def prefill_on_p(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "p-internal",
+                 prompt: list[int] | None = None):
+    req = create_request(num_tokens, request_id=request_id, max_tokens=1,
+                         prompt=prompt or same_prompt(num_tokens), kv_transfer_params={
         "do_remote_decode": True, "transfer_mode": "push", "pd_request_id": pd_id})
     pair.p.add_request(req)
     for _ in range(10):
@@ -110,7 +117,7 @@ def prefill_on_p(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "p-i
 
 def admit_on_d(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "d-internal"):
     req = create_request(num_tokens, request_id=request_id, max_tokens=2,
-                         kv_transfer_params=pair.d_params(pd_id))
+                         prompt=same_prompt(num_tokens), kv_transfer_params=pair.d_params(pd_id))
     pair.d.add_request(req)
     out, _ = step(pair.d)
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -172,7 +179,7 @@ def test_heartbeats_keyed_by_pd_request_id_keep_p_lease_alive(pair: Pair) -> Non
     engines use other internal ids, keep P's lease past its duration."""
     pd_id = "pd-hb"
     d_req = create_request(200, request_id="d-internal-hb", max_tokens=2,
-                           kv_transfer_params=pair.d_params(pd_id))
+                           prompt=same_prompt(200), kv_transfer_params=pair.d_params(pd_id))
     pair.d.connector.on_new_request(d_req)  # arrival: heartbeats start (no schedule yet)
     prefill_on_p(pair, pd_id, 200, request_id="p-internal-hb")
     leases = pd(pair.p).leases
@@ -297,3 +304,51 @@ def test_failed_write_reaches_d_through_p_scheduler_at_once(pair: Pair) -> None:
     assert_scheduler_empty(pair.d)
     step(pair.p)
     assert_scheduler_empty(pair.p)
+
+
+def test_p_refuses_to_write_the_kv_of_another_prompt(pair: Pair) -> None:
+    """Issue 12 item 4: a D leg paired with another request's P leg of the
+    same length gets no WRITE (it would decode on the wrong KV): D's
+    registration carries its prompt's digest and P compares it with its own."""
+    d_req, _ = admit_on_d(pair, "pd-other", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-other") is PushState.REGISTERED)
+    other = [11 + (5 * i) % 3000 for i in range(150)]  # same length, other tokens
+    prefill_on_p(pair, "pd-other", 150, prompt=other)
+    assert pair.next_order(200) is None  # no WRITE ordered
+    reason, detail = wait_push_fail(pair, d_req)
+    assert reason == "transfer_error"
+    assert "prompt digests differ" in detail
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    step(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
+
+
+def test_abort_result_and_write_release_only_from_the_engine_concerned(pair: Pair) -> None:
+    """Issue 12 item 3: an abort counts only from the D that registered, a
+    result only from the P registered with, and the release that settles
+    P's WRITE only from P itself; the push then completes normally."""
+    d_req, meta = admit_on_d(pair, "pd-own", 150)
+    assert wait_for(lambda: pd(pair.p).producer.book.state("pd-own") is PushState.REGISTERED)
+    with pytest.raises(SideChannelError, match="registered by another engine"):
+        pair.client.request(HOST, pair.p_port, proto.PushAbort(
+            engine_id="eng-other", pd_request_id="pd-own"))
+    assert pd(pair.p).producer.book.state("pd-own") is PushState.REGISTERED
+    with pytest.raises(SideChannelError, match="not registered with engine eng-other"):
+        pair.client.request(HOST, pair.d_port, proto.PushResult(
+            engine_id="eng-other", pd_request_id="pd-own", tp_rank=-1, ok=False))
+    prefill_on_p(pair, "pd-own", 150)
+    order = pair.next_order()
+    assert order is not None and order.notif_token == meta.push_recv[0].notif_token
+    pair.client.request(HOST, pair.p_port, proto.LeaseRelease(
+        engine_id="eng-other", request_ids=["pd-own"], tp_rank=0))
+    lease = pd(pair.p).leases.table.get("pd-own")
+    assert lease is not None and lease.state is LeaseState.WRITING  # not settled by them
+    out, _ = step(pair.d)
+    assert d_req.request_id not in out.kv_connector_metadata.push_fail  # D still waits
+    pair.settle_write("pd-own")
+    finish_both(pair, d_req)
+    assert pd(pair.p).producer.num_wrong_sender == 1  # the abort
+    assert pd(pair.p).leases.counters().num_wrong_sender == 1  # the release
+    assert pd(pair.d).consumer.num_wrong_sender == 1  # the result

@@ -20,6 +20,7 @@ from pdsched import (
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
 
+from vllm_pd_ext import auth
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases import LeaseState, LeaseTable
@@ -129,7 +130,9 @@ def test_p_holds_blocks_until_release(make_scheduler):
     assert set(params) - {"remote_prefill_cached_tokens"} == {
         "do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
         "remote_request_id", "remote_host", "remote_port", "tp_size", "pp_size", "dcp_size",
-        "transfer_mode", "remote_num_tokens", "remote_blocks_expiry_time"}
+        "transfer_mode", "remote_num_tokens", "remote_blocks_expiry_time",
+        "remote_prompt_digest"}
+    assert params["remote_prompt_digest"] == auth.token_digest(req.prompt_token_ids)
     # The request left vLLM's scheduler (an idle P does not step) but its
     # blocks stay pinned by the lease.
     assert req.request_id not in sched.requests
@@ -520,3 +523,66 @@ def test_d_lease_claim_of_an_aborted_load_ends_when_the_worker_reports_it(make_s
          failed_recving={replay.request_id})
     assert pd(sched)._d == {} and pd(sched)._lease_users == {}
     assert_empty_after_step(sched)
+
+
+# ============================================================ authentication
+SECRET = "s3cret-for-tests-0123456789"
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    f = tmp_path / "secret"
+    f.write_text(SECRET)
+    return str(f)
+
+
+def test_engine_core_refuses_unsigned_legs_even_without_the_middleware(
+        make_scheduler, fake_p, secret_file):
+    """Issue 12 item 4, the EngineCore's own check: with a secret, an
+    unsigned or altered D leg fails its load (nothing is pinned or read,
+    not even a heartbeat leaves), and an unsigned P leg hands no KV over."""
+    port, _ = fake_p
+    kr = auth.Keyring.parse(SECRET, "test")
+    d = make_scheduler(policy="fail", auth_secret_file=secret_file)
+    assert pd(d).auth is not None
+    unsigned = create_request(100, kv_transfer_params=remote_params(port, 4))
+    altered = create_request(100, kv_transfer_params={
+        **auth.sign_leg(kr, remote_params(port, 4), "rid", {"prompt": "x"}),
+        "remote_block_ids": [[1, 2, 3, 4]]})
+    for req, why in ((unsigned, "not signed"), (altered, "does not match")):
+        meta = admit_remote(d, req)
+        assert meta.reqs_to_recv == []
+        reason, detail = meta.reqs_to_fail[req.request_id]
+        assert reason == "bad_params" and "unauthenticated" in detail and why in detail
+        step(d, finished_recving={req.request_id}, failed_recving={req.request_id})
+        assert req.status is RequestStatus.FINISHED_ERROR
+    assert pd(d).heartbeats.num_lanes == 0
+    assert_empty_after_step(d)
+
+    p = make_scheduler("kv_producer", auth_secret_file=secret_file)
+    free = num_free(p)
+    _, params = finish_prefill(p, num_tokens=100)  # unsigned do_remote_decode
+    assert params is None and pd(p).num_pinned_requests == 0
+    assert num_free(p) == free
+    leg = auth.sign_leg(kr, {"do_remote_decode": True}, "rid", {"prompt": "x"})
+    req = create_request(100, kv_transfer_params=leg, max_tokens=1)
+    p.add_request(req)
+    finals = run_until_finished(p, req)
+    assert finals[0].kv_transfer_params["do_remote_prefill"] is True
+    assert pd(p).num_pinned_requests == 1
+
+
+def test_d_refuses_a_p_answer_made_for_another_prompt(make_scheduler, fake_p):
+    """Item 4's old risk: a D leg paired with another request's P answer of
+    the same length would decode on the wrong KV; P's answer carries its
+    prompt's digest and D refuses a mismatch before reading anything."""
+    port, _ = fake_p
+    d = make_scheduler(policy="fail")
+    req = create_request(100, kv_transfer_params=remote_params(
+        port, 1, remote_prompt_digest=auth.token_digest(range(100))))
+    meta = admit_remote(d, req)
+    reason, why = meta.reqs_to_fail[req.request_id]
+    assert reason == "bad_params" and "another prompt" in why
+    step(d, finished_recving={req.request_id}, failed_recving={req.request_id})
+    assert pd(d).heartbeats.num_lanes == 0
+    assert_empty_after_step(d)

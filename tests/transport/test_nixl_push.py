@@ -130,10 +130,10 @@ def test_write_lands_before_its_notification(target, pusher):
     peer = pusher.add_peer(target.metadata)
     descs = build_descriptors(SRC, DST, regions(pusher.addr), regions(target.addr))
     assert len(descs) == 2 * LAYERS  # [5,6]->[1,2] and [7]->[9] per layer
-    assert write(pusher, peer, descs, proto.push_notif("pd-1")) is XferState.DONE
+    assert write(pusher, peer, descs, proto.push_notif("pd-1", "ab12")) is XferState.DONE
     notifs, snapshot = target.notifs(timeout=20.0)
-    assert notifs == [b"pdx:pd-1"]
-    assert proto.parse_push_notif(notifs[0]) == "pd-1"
+    assert notifs == [b"pdx:ab12/pd-1"]
+    assert proto.parse_push_notif(notifs[0]) == ("pd-1", "ab12")
     # Taken as soon as the notification was seen: every byte already landed,
     # and nothing outside the destination blocks was touched.
     want = expected_target(pusher.addr, target.addr, descs)

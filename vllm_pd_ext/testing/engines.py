@@ -109,7 +109,9 @@ class Engine:
                 extra.update(self.extra_config)
                 kv["kv_connector_extra_config"] = extra
                 # SIGTERM and POST /pd/drain drain the engine (vllm_pd_ext/drain.py).
-                cmd += ["--middleware", "vllm_pd_ext.drain.DrainMiddleware"]
+                cmd += ["--middleware", "vllm_pd_ext.drain.DrainMiddleware",
+                        # 4xx for a leg the proxy did not sign (with a secret).
+                        "--middleware", "vllm_pd_ext.leg_auth.LegAuthMiddleware"]
             else:
                 kv["kv_buffer_device"] = "cpu"
                 if self.extra_config:
@@ -208,10 +210,11 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------- HTTP
-    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0
-             ) -> tuple[int, dict[str, Any]]:
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -249,6 +252,7 @@ class Proxy:
     log_dir: Path
     port: int = 0
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -269,7 +273,8 @@ class Proxy:
             cmd += ["--decode", url]
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=str(REPO), start_new_session=True)
+                                     cwd=str(REPO), start_new_session=True,
+                                     env={**os.environ, **self.env})
         log.close()
         return self
 
