@@ -31,6 +31,7 @@ cannot grow it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -173,8 +174,18 @@ _header_encoder = msgspec.msgpack.Encoder()
 MAX_HEADER_BYTES: Final = 256
 
 
+@functools.lru_cache(maxsize=4 * MAX_SECRETS)
+def _keyed(key: bytes) -> hmac.HMAC:
+    """The HMAC state after the key (its two padded blocks): copied per MAC,
+    which skips the key setup and the digest lookup on the hot path."""
+    return hmac.new(key, digestmod=hashlib.sha256)
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.digest(key, b"".join(parts), "sha256")
+    h = _keyed(key).copy()
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 class FrameAuth:
@@ -303,16 +314,19 @@ def _rid_digest(request_id: str) -> str:
 
 
 def _leg_mac(key: bytes, head: str, params: Mapping[str, Any]) -> str:
-    unsigned = {k: v for k, v in params.items() if k != LEG_FIELD}
+    unsigned = ({k: v for k, v in params.items() if k != LEG_FIELD} if LEG_FIELD in params
+                else params)
     return _mac(key, _LEG_TAG, head.encode(), b"\0", _canonical.encode(unsigned)).hex()
 
 
 def sign_leg(keyring: Keyring, params: Mapping[str, Any], request_id: str,
-             body: Mapping[str, Any], now: float | None = None) -> dict[str, Any]:
-    """``params`` plus ``pd_sig``, bound to ``request_id`` and ``body``'s prompt."""
+             body: Mapping[str, Any], now: float | None = None,
+             prompt_digest: str | None = None) -> dict[str, Any]:
+    """``params`` plus ``pd_sig``, bound to ``request_id`` and ``body``'s prompt
+    (``prompt_digest``: ``body_prompt_digest(body)`` already computed)."""
     ts_ms = int((time.time() if now is None else now) * 1000)
-    head = (f"v1.{keyring.signing_kid}.{ts_ms}.{body_prompt_digest(body)}."
-            f"{_rid_digest(request_id)}")
+    digest = prompt_digest or body_prompt_digest(body)
+    head = f"v1.{keyring.signing_kid}.{ts_ms}.{digest}.{_rid_digest(request_id)}"
     signed = dict(params)
     signed[LEG_FIELD] = f"{head}.{_leg_mac(keyring.signing_key, head, params)}"
     return signed

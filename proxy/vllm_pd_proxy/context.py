@@ -67,6 +67,8 @@ class RequestContext:
     # Seconds spent waiting for a prefill slot, over all attempts.
     queued: float = 0.0
     error: str | None = None
+    # The prompt's digest the legs are signed with (computed on first use).
+    prompt_digest: str | None = None
 
     def finish(self, now: float, metrics: Metrics) -> None:
         """Record metrics and write the access-log line."""

@@ -36,7 +36,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from vllm_pd_ext.auth import sign_leg
+from vllm_pd_ext.auth import body_prompt_digest, sign_leg
 
 from . import errors
 from .admission import PrefillGate, PrefillSlot
@@ -145,7 +145,10 @@ class Forwarder:
         keyring = self._config.auth
         if keyring is None:
             return params
-        return sign_leg(keyring, params, ctx.request_id, body)
+        if ctx.prompt_digest is None:  # once per request, for all its legs
+            ctx.prompt_digest = body_prompt_digest(body)
+        return sign_leg(keyring, params, ctx.request_id, body,
+                        prompt_digest=ctx.prompt_digest)
 
     # -- decisions -----------------------------------------------------------
 
