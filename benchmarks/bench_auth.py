@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         say("cpu: signing and checking in process")
         results["cpu"] = bench_cpu(args.tokens, args.cpu_reps)
     if "proxy" in args.only:
-        say("proxy: two proxy apps (secret on/off) in one process, in front of the instant fake engine")
+        say("proxy: two proxy apps (secret on/off) in one process, instant fake engine")
         results["proxy"] = asyncio.run(bench_proxy_auth(args.proxy_pairs, log_dir))
     if "handoff" in args.only:
         say(f"handoff: two real 1P1D pairs (secret on/off), {args.tokens}-token prompts")
