@@ -7,6 +7,9 @@ future vLLM change is absorbed in one file.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import math
 import signal
 import threading
@@ -31,7 +34,10 @@ try:  # 0.32+: request-level failure reporting
 except ImportError:  # pragma: no cover - older vLLM is not supported
     raise ImportError("vllm_pd_ext needs vLLM >= 0.32 (KVConnectorTransferResults)") from None
 
+from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.protocol import CompatInfo, Region
+
+logger = get_logger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -204,6 +210,16 @@ def is_rejection_notice(request: Any) -> bool:
     return bool(getattr(request, "abort_immediately", False))
 
 
+def kv_ready_token_ids(request: Any) -> list[int]:
+    """The leading tokens of a finished request whose KV is written: every
+    token fed to the model (not the last sampled one), less any still in
+    flight in an overlapping step."""
+    computed = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0)
+                                                      or 0)
+    n = max(0, min(computed, int(request.num_tokens) - 1))
+    return list(request.all_token_ids[:n])
+
+
 def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
     """Blocks allocated for tokens that are not in D's prefix cache."""
     return list(blocks.get_unhashed_block_ids())
@@ -293,3 +309,71 @@ def on_engine_shutdown(callback: Callable[[], None]) -> bool:
         signal.signal(sig, handler)
         chained = True
     return chained
+
+
+_STREAM_PATCHED = False
+
+
+def stream_kv_transfer_params() -> bool:
+    """Make the API server's streamed answers carry ``kv_transfer_params``.
+
+    vLLM 0.32/0.33 put a finished request's ``kv_transfer_params`` in the
+    non-streaming completion and chat bodies only. Multi-turn reuse needs
+    D's (the kept turn, ``bidir.py``) in a streamed answer too, so the
+    chunk that carries the choice's ``finish_reason`` gets them, as newer
+    vLLM does. Costs nothing for requests without params. Idempotent;
+    called by our API-server middlewares (drain.py, leg_auth.py). False if
+    this vLLM's generators are not where expected (then logged once).
+    """
+    global _STREAM_PATCHED
+    if _STREAM_PATCHED:
+        return True
+    try:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+        targets = [(OpenAIServingCompletion, "completion_stream_generator"),
+                   (OpenAIServingChat, "chat_completion_stream_generator")]
+        for cls, name in targets:
+            fn = getattr(cls, name)
+            if "result_generator" not in inspect.signature(fn).parameters:
+                raise AttributeError(f"{cls.__name__}.{name} takes no result_generator")
+    except (ImportError, AttributeError) as exc:
+        logger.warning("PDConnector: streamed answers will not carry kv_transfer_params "
+                       "(multi-turn reuse then needs non-streaming requests): %s", exc)
+        return False
+    for cls, name in targets:
+        setattr(cls, name, _tap_kv_params(getattr(cls, name)))
+    _STREAM_PATCHED = True
+    return True
+
+
+def _tap_kv_params(gen_fn: Any) -> Any:
+    sig = inspect.signature(gen_fn)
+
+    @functools.wraps(gen_fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        inner = bound.arguments["result_generator"]
+        found: list[dict[str, Any]] = []
+
+        async def tap() -> Any:
+            async for item in inner:
+                res = item[1] if isinstance(item, tuple) else item
+                params = getattr(res, "kv_transfer_params", None)
+                if params and getattr(res, "finished", False) and not found:
+                    found.append(params)
+                yield item
+
+        bound.arguments["result_generator"] = tap()
+        done = False
+        async for chunk in gen_fn(*bound.args, **bound.kwargs):
+            if (found and not done and isinstance(chunk, str) and chunk.startswith("data: {")
+                    and '"finish_reason":' in chunk and '"finish_reason":null' not in chunk):
+                body = json.loads(chunk[6:])
+                body["kv_transfer_params"] = found[0]
+                chunk = f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+                done = True
+            yield chunk
+
+    return wrapper

@@ -82,6 +82,19 @@ class PDConfig:
     auth_secret_env: str | None = None
     #: Seconds a signed frame's or leg's timestamp may be off this host's clock.
     auth_window_s: float = 30.0
+    #: Multi-turn (bidir.py): D keeps a finished turn's blocks under a lease
+    #: and P reads the matching prefix back on the next turn. Both engines.
+    bidirectional_kv_xfer: bool = False
+    #: P reads back from D only when that saves at least this many prompt
+    #: tokens (docs/benchmarks.md, "Multi-turn": below it a read costs more
+    #: than it saves).
+    kv_recompute_threshold: int = 64
+    #: D: seconds a finished turn's blocks wait for the next turn's P; once
+    #: P holds that turn, its heartbeats renew the lease like any other.
+    decoder_kv_blocks_ttl: float = 480.0
+    #: D: at most this fraction of D's KV blocks is kept for next turns; the
+    #: least recently kept that no P is reading go first.
+    decoder_kv_blocks_budget: float = 0.25
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -236,6 +249,26 @@ def _non_negative(key: str, raw: Any) -> float:
     return float(raw)
 
 
+def _count(key: str, raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected an integer >= 0")
+    return raw
+
+
+def _fraction(key: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0 < raw <= 1:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected a number in "
+                          "(0, 1]")
+    return float(raw)
+
+
+def _ttl(key: str, raw: Any) -> float:
+    value = _positive(key, raw)
+    if value > 3600:
+        raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: at most 3600 s")
+    return value
+
+
 def _bool(key: str, raw: Any) -> bool:
     if not isinstance(raw, bool):
         raise ConfigError(f"kv_connector_extra_config.{key}={raw!r}: expected true or false")
@@ -281,4 +314,8 @@ _VALIDATORS: dict[str, Any] = {
     "auth_secret_file": _optional_str,
     "auth_secret_env": _env_name,
     "auth_window_s": _positive,
+    "bidirectional_kv_xfer": _bool,
+    "kv_recompute_threshold": _count,
+    "decoder_kv_blocks_ttl": _ttl,
+    "decoder_kv_blocks_budget": _fraction,
 }

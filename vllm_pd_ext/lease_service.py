@@ -79,11 +79,19 @@ class LeaseService:
         return self.lock
 
     # ------------------------------------------------------------ scheduler
-    def grant(self, request_id: str, num_consumers: int) -> float:
+    def grant(self, request_id: str, num_consumers: int,
+              duration_s: float | None = None) -> float:
         """Lease a finished prefill's blocks to ``num_consumers`` D ranks;
-        returns the monotonic expiry. ``KeyError`` if the id is leased."""
+        returns the monotonic expiry. ``KeyError`` if the id is leased.
+        ``duration_s``: the first expiry, if not the lease duration (D's
+        kept turns)."""
         with self.lock:
-            return self.table.grant(request_id, num_consumers)
+            return self.table.grant(request_id, num_consumers, duration_s)
+
+    def evict(self, request_id: str) -> bool:
+        """End a lease no reader has touched yet (D's kept-turn budget)."""
+        with self.lock:
+            return self.table.evict(request_id)
 
     def sweep(self, on_expired: Callable[[list[str]], None] | None = None) -> SweepResult:
         """Forget released and expired leases; the caller frees their blocks

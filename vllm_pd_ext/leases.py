@@ -126,11 +126,15 @@ class LeaseTable:
     def get(self, request_id: str) -> Lease | None:
         return self._leases.get(request_id)
 
-    def grant(self, request_id: str, num_consumers: int = 1) -> float:
-        """Hold a finished prefill's blocks; returns the expiry time."""
+    def grant(self, request_id: str, num_consumers: int = 1,
+              duration_s: float | None = None) -> float:
+        """Hold a finished prefill's blocks; returns the expiry time.
+        ``duration_s``: a first expiry other than the lease duration (D's
+        kept turns wait ``decoder_kv_blocks_ttl`` for their reader; every
+        renewal after that extends by the lease duration, as for P)."""
         if request_id in self._leases:
             raise KeyError(f"lease for {request_id!r} already granted")
-        expiry = self._clock() + self.duration_s
+        expiry = self._clock() + (self.duration_s if duration_s is None else duration_s)
         lease = Lease(request_id, expiry, max(1, num_consumers))
         self._leases[request_id] = lease
         self._push_expiry(lease)
@@ -196,6 +200,17 @@ class LeaseTable:
             self._released[request_id] = None
             return True
         return False
+
+    def evict(self, request_id: str) -> bool:
+        """End a lease nobody uses yet (HELD, never renewed or pinned) now;
+        True when it is queued for the sweep. A lease a reader heartbeats or
+        pins is never evicted: only its release or its expiry ends it."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.state is not LeaseState.HELD or lease.num_renewals:
+            return False
+        lease.state = LeaseState.RELEASED
+        self._released[request_id] = None
+        return True
 
     def has_released(self) -> bool:
         """A released lease waits for the sweep (O(1))."""

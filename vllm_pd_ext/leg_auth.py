@@ -96,6 +96,12 @@ class LegAuthMiddleware:
         self.window_s = auth.DEFAULT_WINDOW_S if window_s is None else window_s
         self.num_refused = 0
         self._logged_at = -1e9
+        if from_argv:
+            # The API server this middleware runs in: streamed answers carry
+            # D's kv_transfer_params (multi-turn, compat.py).
+            from vllm_pd_ext.compat import stream_kv_transfer_params
+
+            stream_kv_transfer_params()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.keyring is None or scope["type"] != "http"

@@ -23,6 +23,9 @@ class RecvSpec:
     remote_port: int
     remote_tp_size: int
     num_tokens: int
+    #: Bidirectional: P reads a previous turn's KV back from D (same READ,
+    #: counted apart in the metrics).
+    readback: bool = False
 
 
 @dataclass(frozen=True)

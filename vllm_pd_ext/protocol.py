@@ -13,6 +13,9 @@ different versions refuse each other at the handshake):
 - 4: authentication (``auth.py``): signed frames and legs; P's answer carries
   ``remote_prompt_digest``; ``PushRegister`` carries the prompt digest and
   the token P's WRITE notification must echo (``pdx:<token>/<pd_request_id>``).
+- 5: bidirectional KV (``bidir.py``): D's final answer names its kept blocks
+  with ``remote_block_hashes``; a P leg carrying them reads the matching
+  prefix back from D (pull, D's lease); ``pd_bidirectional`` on the D leg.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -57,6 +60,8 @@ TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 BlockId = Annotated[int, msgspec.Meta(ge=0)]
 BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS)]
 Ttl = Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
+#: One chained block hash (``bidir.block_hashes``): 16 lowercase hex digits.
+BlockHash = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$")]
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -104,6 +109,21 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_prompt_digest: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     #: The proxy's signature (``auth.sign_leg``); checked by ``auth.verify_leg``.
     pd_sig: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    #: Bidirectional: D's chained hashes of the blocks it kept at the end of
+    #: a turn (``bidir.block_hashes``), one per block in ``remote_block_ids``.
+    #: A P leg carrying them reads back the prefix whose hashes match.
+    remote_block_hashes: Annotated[list[BlockHash],
+                                   msgspec.Meta(max_length=MAX_BLOCKS)] | None = None
+    #: D leg: keep this turn's blocks for the next one (True), or not (False);
+    #: absent (an upstream proxy): the engine's ``bidirectional_kv_xfer`` decides.
+    pd_bidirectional: bool | None = None
+
+    @property
+    def is_readback(self) -> bool:
+        """A P leg that names D's kept blocks (the next turn of a conversation)."""
+        return bool(self.do_remote_decode and not self.do_remote_prefill
+                    and self.remote_block_ids and self.remote_engine_id
+                    and self.remote_host and self.remote_port and self.remote_request_id)
 
     @property
     def mode(self) -> str:
@@ -175,6 +195,18 @@ def decode_params(raw: Any) -> KVTransferParams | None:
     push_leg = params.do_remote_decode and params.mode == "push" and not params.pd_ext_probe
     if push_leg and not params.pd_request_id:
         raise ParamsError("kv_transfer_params: transfer_mode='push' needs pd_request_id")
+    if params.is_readback:
+        # D's kept blocks on a P leg: checked as strictly as P's answer on D.
+        assert params.remote_host is not None and params.remote_port is not None
+        if not 0 < params.remote_port < 65536:
+            raise ParamsError(f"kv_transfer_params.remote_port out of range: {params.remote_port}")
+        if not valid_host(params.remote_host):
+            raise ParamsError(f"kv_transfer_params.remote_host is not a host name or IP "
+                              f"address: {params.remote_host[:80]!r}")
+        if not 1 <= params.tp_size <= MAX_TP_SIZE:
+            raise ParamsError(f"kv_transfer_params.tp_size must be in 1..{MAX_TP_SIZE}, "
+                              f"got {params.tp_size}")
+        params.flat_remote_block_ids()  # validates the shape
     if params.do_remote_prefill:
         push = params.mode == "push"
         required = _PUSH_REQUIRED if push else _PULL_REQUIRED

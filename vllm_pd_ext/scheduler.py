@@ -32,6 +32,13 @@ ids differ): P's half is ``p_push_scheduler.PushProducer`` (match D's
 registration with the finished prefill, order the WRITEs), D's is
 ``d_push_scheduler.PushConsumer`` (register the blocks D lacks, bound the
 wait, abort before reusing blocks).
+
+Multi-turn (``bidirectional_kv_xfer``, ``bidir.py``): at the end of a turn D
+keeps the request's full blocks under a lease of its own (``_keep_turn``:
+the same pinning, ``LeaseService`` and sweep as P, first expiry
+``decoder_kv_blocks_ttl``, within ``decoder_kv_blocks_budget``) and answers
+with their block hashes; on the next turn P's ``readback.ReadBackConsumer``
+reads back the prefix that matches its prompt, from either transfer mode.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd_ext import auth, compat
+from vllm_pd_ext import auth, bidir, compat
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.affinity import bind_engine_core
+from vllm_pd_ext.bidir import Fallback, KeptTurns
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.d_pull_scheduler import PullConsumer
 from vllm_pd_ext.d_push_scheduler import PushConsumer
@@ -63,6 +71,7 @@ from vllm_pd_ext.metadata import (
 from vllm_pd_ext.p_push_scheduler import PushProducer
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.protocol import KVTransferParams, ParamsError, answer_params, decode_params
+from vllm_pd_ext.readback import ReadBackConsumer
 from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.stats import PDStats
 
@@ -145,6 +154,20 @@ class PDScheduler:
         #: (P engine id, lease key) -> the D request using it.
         self._lease_users: dict[tuple[str, str], str] = {}
         self.pull = PullConsumer(self.block_size, self.tp_size, self.heartbeats)
+        #: P: next turns reading a previous turn back from D.
+        self.readback = ReadBackConsumer(
+            enabled=cfg.bidirectional_kv_xfer, block_size=self.block_size,
+            tp_size=self.tp_size, threshold=cfg.kv_recompute_threshold,
+            heartbeats=self.heartbeats, count=self._count_fallback)
+        self._reported_readback = (0, 0)
+        #: D: kept turns (their blocks are in _pinned); sized on bind_gpu_block_pool.
+        self.kept = KeptTurns(0)
+        self._kept_evicted = False
+        if cfg.bidirectional_kv_xfer:
+            logger.info("PDConnector: bidirectional KV on: finished turns are kept for %.0f s "
+                        "(decoder_kv_blocks_ttl, then renewed by the reader), next turns read "
+                        "back >= %d tokens (kv_recompute_threshold)", cfg.decoder_kv_blocks_ttl,
+                        cfg.kv_recompute_threshold)
         self._pending_recv: list[RecvSpec] = []
         self._pending_fail: dict[str, tuple[str, str]] = {}
         self.push = cfg.transfer_mode == "push"
@@ -189,6 +212,8 @@ class PDScheduler:
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         self._block_pool = block_pool
+        num = int(getattr(block_pool, "num_gpu_blocks", 0) or len(block_pool.blocks))
+        self.kept = KeptTurns(int(num * self.cfg.decoder_kv_blocks_budget))
 
     # ---------------------------------------------------------------- D side
     def on_new_request(self, request: Any) -> None:
@@ -205,7 +230,8 @@ class PDScheduler:
                 return
             self._refuse(rid, str(exc))
             return
-        if params is not None and (params.do_remote_prefill or params.do_remote_decode):
+        if params is not None and (params.do_remote_prefill or params.do_remote_decode
+                                   or params.pd_bidirectional):
             problem = self._leg_auth_problem(request.kv_transfer_params)
             if problem is not None:
                 self._stats.inc("num_unauthenticated")
@@ -224,6 +250,8 @@ class PDScheduler:
                              "not match")
                 return
         if params is None or not params.do_remote_prefill:
+            if params is not None and params.is_readback and not params.pd_ext_probe:
+                self.readback.arrive(rid, params, list(request.prompt_token_ids))
             if (params is not None and params.do_remote_decode and self.producer is not None
                     and params.mode == "push" and not params.pd_ext_probe
                     and params.pd_request_id):
@@ -280,6 +308,11 @@ class PDScheduler:
                                    ) -> tuple[int | None, bool]:
         d = self._d.get(request.request_id)
         if d is None or d.allocated:
+            if d is None and request.request_id in self.readback:
+                planned = self.readback.plan(request.request_id, request.num_prompt_tokens,
+                                             num_computed_tokens)
+                if planned is not None:
+                    return planned
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -288,6 +321,14 @@ class PDScheduler:
                                  ) -> None:
         rid = request.request_id
         d = self._d.get(rid)
+        if d is None and rid in self.readback:
+            spec_or_why = self.readback.allocate(rid, compat.new_block_ids(blocks),
+                                                 num_external_tokens)
+            if isinstance(spec_or_why, RecvSpec):
+                self._pending_recv.append(spec_or_why)
+            elif isinstance(spec_or_why, str):
+                self._pending_fail[rid] = (FailureReason.LAYOUT.value, spec_or_why)
+            return
         if d is None or d.allocated:
             return
         d.allocated = True
@@ -320,7 +361,10 @@ class PDScheduler:
             self._pending_push.append(spec)
 
     def update_connector_output(self, output: Any) -> None:
+        failed = output.failed_recving or ()
         for rid in output.finished_recving or ():
+            if self.readback.loaded(rid, rid in failed):
+                continue
             d = self._d.get(rid)
             if d is not None:
                 d.loading = False
@@ -362,12 +406,20 @@ class PDScheduler:
             on_expired=self.producer.forget_expired_prefills if self.producer else None)
         if not result.released and not result.expired:
             return []
+        kept_expired = 0
         for rid in result.expired:
+            if rid in self.kept:
+                # A conversation that did not come back: normal, counted apart.
+                kept_expired += 1
+                logger.info("PDConnector: kept turn %s expired unread; freeing its blocks", rid)
+                continue
             logger.warning("PDConnector: lease of request %s expired after %.1f s without "
                            "release by D; freeing its blocks", rid, self.cfg.lease_duration)
-        self._stats.inc("num_lease_expiries", len(result.expired))
+        self._stats.inc("num_lease_expiries", len(result.expired) - kept_expired)
+        self._stats.inc("num_turns_expired", kept_expired)
         freed = result.released + result.expired
         for rid in freed:
+            self.kept.discard(rid)
             # Tail first, as vLLM frees a request's blocks: the prefix stays
             # cached longest.
             self._block_pool.free_blocks(reversed(self._pinned.pop(rid)))
@@ -386,6 +438,13 @@ class PDScheduler:
         ends by the last lease's expiry at the latest. Outside a shutdown the
         engine stays idle between requests as before.
         """
+        if self.shutting_down and not self._kept_evicted:
+            # Kept turns nobody reads yet would hold the drain for their whole
+            # TTL: end them now (a reader already pinning one is served).
+            self._kept_evicted = True
+            for key in self.kept.oldest_first():
+                if self.leases.evict(key):
+                    self.kept.discard(key)
         return self.shutting_down and bool(self._pinned)
 
     def has_pending_block_frees(self) -> bool:
@@ -398,17 +457,21 @@ class PDScheduler:
         rid = request.request_id
         d = self._d.get(rid)
         if d is not None:
-            return self._finish_consumer(rid, d)
+            return self._finish_consumer(rid, d, request, block_ids)
+        self.readback.finish(rid)
         try:
             params = decode_params(request.kv_transfer_params)
         except ParamsError as exc:
             logger.error("PDConnector: request %s: %s; blocks freed, no KV handed over",
                          rid, exc)
             return False, None
-        if params is None or not params.do_remote_decode:
-            return False, None
         if rid in self._unsigned:
             self._unsigned.discard(rid)
+            return False, None
+        if params is None or not params.do_remote_decode:
+            if params is not None and params.pd_bidirectional:
+                # A turn D prefilled itself (the proxy's local decision).
+                return False, self._keep_turn(request, block_ids, params)
             return False, None
         if self.producer is not None and params.mode == "push" and params.pd_request_id:
             self.producer.retire(str(params.pd_request_id))
@@ -465,8 +528,10 @@ class PDScheduler:
             remote_prompt_digest=digest,
         ))
 
-    def _finish_consumer(self, rid: str, d: DRequest) -> tuple[bool, None]:
+    def _finish_consumer(self, rid: str, d: DRequest, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         params = d.params
+        loading = d.loading
         if d.loading:
             # A load in flight keeps its record (and its claim on the lease)
             # until the workers report it (update_connector_output).
@@ -486,13 +551,68 @@ class PDScheduler:
                 self.consumer.abandon(rid, str(params.pd_request_id),
                                       (str(params.remote_host), int(params.remote_port or 0)),
                                       "request ended on D")
-            return False, None
-        if not d.allocated:
+                return False, None
+        elif not d.allocated:
             # Ended before its load was scheduled (abort, rejection): free P now.
             self.pull.abandon(rid, params, "request ended on D before its load")
+            return False, None
         # If a load is still in flight, vLLM keeps D's blocks until the worker
         # reports the id; heartbeats continue until then.
-        return False, None
+        if loading or not d.allocated:
+            return False, None
+        return False, self._keep_turn(request, block_ids, params)
+
+    # ---------------------------------------------------------- multi-turn
+    def _keep_turn(self, request: Any, block_ids: list[int], params: KVTransferParams
+                   ) -> dict[str, Any] | None:
+        """D: keep a finished turn's full blocks for the next turn's P to read
+        back; the answer names them (and their hashes), or None."""
+        if not bidir.wants_keep(self.cfg.bidirectional_kv_xfer, params.pd_bidirectional):
+            return None
+        if not compat.is_finished_ok(request) or self._block_pool is None:
+            return None
+        tokens = compat.kv_ready_token_ids(request)
+        num_blocks = min(len(tokens) // self.block_size, len(block_ids))
+        if num_blocks == 0:
+            return None
+        rid = request.request_id
+        if not self.kept.admit(num_blocks, self.leases.evict):
+            self._stats.inc("num_turns_not_kept")
+            logger.info("PDConnector: turn %s not kept: %d blocks do not fit "
+                        "decoder_kv_blocks_budget (%d of %d blocks kept, all in use)", rid,
+                        num_blocks, self.kept.num_blocks, self.kept.budget_blocks)
+            return None
+        self._sweep()  # free what the budget just evicted before pinning more
+        ids = list(block_ids[:num_blocks])
+        try:
+            expiry = self.leases.grant(rid, num_consumers=self.tp_size,
+                                       duration_s=self.cfg.decoder_kv_blocks_ttl)
+        except KeyError:
+            return None
+        blocks = [self._block_pool.blocks[i] for i in ids]
+        self._block_pool.touch(blocks)
+        self._pinned[rid] = blocks
+        self.kept.add(rid, num_blocks)
+        self._stats.inc("num_turns_kept")
+        self._stats.inc("kept_blocks", num_blocks)
+        logger.info("PDConnector: turn %s kept: %d blocks (%d tokens) for the next turn",
+                    rid, num_blocks, num_blocks * self.block_size)
+        return answer_params(KVTransferParams(
+            do_remote_decode=True,
+            do_remote_prefill=False,
+            remote_engine_id=self.engine_id,
+            remote_host=self.host,
+            remote_port=self.port,
+            tp_size=self.tp_size,
+            remote_block_ids=[ids],
+            remote_request_id=rid,
+            remote_num_tokens=num_blocks * self.block_size,
+            remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
+            remote_block_hashes=bidir.block_hashes(tokens, self.block_size, num_blocks),
+        ))
+
+    def _count_fallback(self, why: Fallback) -> None:
+        self._stats.inc(f"readback_fallback_{why.value}")
 
     def _end_lease_use(self, d: DRequest) -> None:
         if d.lease is not None:
@@ -519,6 +639,10 @@ class PDScheduler:
             self.consumer.num_wrong_sender if self.consumer is not None else 0) + (
             self.producer.num_wrong_sender if self.producer is not None else 0)
         self._stats.inc("num_wrong_sender", wrong - self._reported_wrong)
+        tokens, loads = self.readback.num_tokens, self.readback.num_loads
+        self._stats.inc("readback_tokens", tokens - self._reported_readback[0])
+        self._stats.inc("num_readbacks", loads - self._reported_readback[1])
+        self._reported_readback = (tokens, loads)
         self._reported_wrong = wrong
         return self._stats.take()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_pd_ext.bidir import FALLBACK_LABELS
 from vllm_pd_ext.compat import KVConnectorPromMetrics, KVConnectorStats
 
 COUNTERS = (
@@ -28,6 +29,15 @@ COUNTERS = (
     "num_registration_expiries",
     "num_unauthenticated",
     "num_wrong_sender",
+    # Multi-turn (bidir.py): D keeps, P reads back.
+    "num_turns_kept",
+    "kept_blocks",
+    "num_turns_not_kept",
+    "num_turns_expired",
+    "num_readbacks",
+    "readback_tokens",
+    "readback_bytes",
+    *(f"readback_fallback_{label}" for label in FALLBACK_LABELS),
 )
 SERIES = ("transfer_seconds", "wait_seconds", "write_seconds", "descriptors_per_write",
           "registration_wait_seconds")
@@ -57,6 +67,11 @@ class PDStats(KVConnectorStats):
         self.data["num_blocks"] += nblocks
         self.data["transfer_seconds"].append(seconds)
         self.data["wait_seconds"].append(wait_seconds)
+
+    def record_readback(self, nbytes: int, seconds: float) -> None:
+        """P: a previous turn's KV read back from D (bidirectional)."""
+        self.data["readback_bytes"] += nbytes
+        self.data["transfer_seconds"].append(seconds)
 
     def record_landed(self, nbytes: int, nblocks: int, wait_seconds: float) -> None:
         """D, push: a WRITE's notification arrived."""
@@ -154,6 +169,32 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 "Lease and push messages refused: not from the engine holding that lease "
                 "or registration."),
         }
+        self.counters.update({
+            "num_turns_kept": counter(
+                "turns_kept", "Multi-turn: finished turns whose blocks D kept for the next (D)."),
+            "kept_blocks": counter("kept_blocks", "Multi-turn: blocks D kept (D)."),
+            "num_turns_not_kept": counter(
+                "turns_not_kept",
+                "Multi-turn: turns not kept, decoder_kv_blocks_budget full of read turns (D)."),
+            "num_turns_expired": counter(
+                "turns_expired",
+                "Multi-turn: kept turns whose next turn never read them in time (D)."),
+            "num_readbacks": counter(
+                "readback_transfers", "Multi-turn: previous turns read back from D (P)."),
+            "readback_tokens": counter(
+                "readback_tokens",
+                "Multi-turn: prompt tokens P read back from D instead of computing (P)."),
+            "readback_bytes": counter("readback_bytes",
+                                      "Multi-turn: KV bytes read back from D (P)."),
+        })
+        fallback: Any = self._counter_cls(
+            name="vllm:pd_ext_readback_fallbacks",
+            documentation="Multi-turn: next turns P prefilled without reading back from D, "
+                          "by reason (P).",
+            labelnames=[*labelnames, "reason"])
+        self.fallbacks: dict[int, dict[str, Any]] = {
+            idx: {label: fallback.labels(*values, label) for label in FALLBACK_LABELS}
+            for idx, values in per_engine_labelvalues.items()}
         self.histograms = {
             "transfer_seconds": histogram("kv_transfer_seconds", "READ post to completion (D)."),
             "wait_seconds": histogram("kv_wait_seconds",
@@ -174,6 +215,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(key, 0)
             if value:
                 metric[engine_idx].inc(value)
+        for label, metric in self.fallbacks.get(engine_idx, {}).items():
+            value = transfer_stats_data.get(f"readback_fallback_{label}", 0)
+            if value:
+                metric.inc(value)
         for key, metric in self.histograms.items():
             for value in transfer_stats_data.get(key, []):
                 metric[engine_idx].observe(value)

@@ -102,6 +102,8 @@ class PDWorker:
         # The transfer's target must progress for UCX wire-up (and, in push,
         # to collect notifications): P in pull mode, D in push mode.
         target = kv_cfg.is_kv_consumer if push else kv_cfg.is_kv_producer
+        # Multi-turn: D's kept turns are read (by the next turn's P) too.
+        target = target or self.cfg.bidirectional_kv_xfer
         if push and kv_cfg.is_kv_consumer and self.cfg.push_idle_wait_ms > 0:
             # Ends D's scheduler's idle wait the moment a WRITE's notification lands.
             self.waker = Waker()
@@ -182,12 +184,18 @@ class PDWorker:
     def _loaded(self, job: RecvJob, done: float) -> None:
         copied = job.done_at or done
         with self._stats_lock:
-            self._stats.record_transfer(job.nbytes, job.ndescs, len(job.spec.local_block_ids),
-                                        copied - job.posted, done - job.arrived)
+            if job.spec.readback:
+                self._stats.record_readback(job.nbytes, copied - job.posted)
+            else:
+                self._stats.record_transfer(job.nbytes, job.ndescs,
+                                            len(job.spec.local_block_ids), copied - job.posted,
+                                            done - job.arrived)
         self._report.add_done(job.spec.request_id)
-        logger.info("PDConnector: request %s loaded %d tokens (%d B, %d descriptors) from "
-                    "engine %s in %.2f ms", job.spec.request_id, job.spec.num_tokens, job.nbytes,
-                    job.ndescs, job.spec.remote_engine_id, (copied - job.posted) * 1e3)
+        logger.info("PDConnector: request %s %s %d tokens (%d B, %d descriptors) from "
+                    "engine %s in %.2f ms", job.spec.request_id,
+                    "read back" if job.spec.readback else "loaded", job.spec.num_tokens,
+                    job.nbytes, job.ndescs, job.spec.remote_engine_id,
+                    (copied - job.posted) * 1e3)
 
     def _fail_now(self, rid: str, block_ids: list[int], reason: FailureReason,
                   detail: str) -> None:

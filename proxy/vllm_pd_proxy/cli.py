@@ -94,6 +94,43 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENTRIES",
         help="prefixes remembered per decode engine (LRU)",
     )
+    g = p.add_argument_group("multi-turn (bidirectional KV, docs/multi-turn.md)")
+    g.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="ask D to keep each turn's KV and have the next turn's P read it back "
+        "(engines need bidirectional_kv_xfer); the next turn goes to the same D",
+    )
+    g.add_argument(
+        "--multi-turn-store-size",
+        type=int,
+        default=_D.multi_turn_store_size,
+        metavar="ENTRIES",
+        help="conversations remembered (LRU)",
+    )
+    g.add_argument(
+        "--multi-turn-ttl",
+        type=float,
+        default=_D.multi_turn_ttl,
+        metavar="SECONDS",
+        help="longest a conversation is remembered between turns (also bounded by "
+        "D's lease, decoder_kv_blocks_ttl)",
+    )
+    g.add_argument(
+        "--session-header",
+        default=_D.session_header,
+        metavar="NAME",
+        help="request header naming the conversation (else the body's "
+        "conversation_id, else a hash of the conversation's opening)",
+    )
+    g.add_argument(
+        "--multi-turn-affinity-slack",
+        type=int,
+        default=_D.multi_turn_affinity_slack,
+        metavar="N",
+        help="a next turn stays on its D while that D has at most N more requests in "
+        "flight than the least loaded D",
+    )
     g = p.add_argument_group("back-pressure (prefill admission)")
     g.add_argument(
         "--max-inflight-per-prefill",
@@ -274,6 +311,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_sse_event_bytes=args.max_sse_event_bytes,
         backend_api_key=getattr(args, "backend_api_key", None) or os.environ.get(API_KEY_ENV),
         auth=_keyring(args.auth_secret_file),
+        multi_turn=args.multi_turn,
+        multi_turn_store_size=args.multi_turn_store_size,
+        multi_turn_ttl=args.multi_turn_ttl,
+        session_header=args.session_header,
+        multi_turn_affinity_slack=args.multi_turn_affinity_slack,
     ).validated()
 
 

@@ -91,6 +91,15 @@ class ProxyConfig:
     # The shared secret(s) that sign every leg's kv_transfer_params
     # (vllm_pd_ext.auth); None: legs unsigned (isolated networks only).
     auth: Keyring | None = field(default=None, repr=False)
+    # Multi-turn (vllm_pd_proxy.conversations): D keeps each turn's KV and the
+    # next turn's P reads it back; conversations remembered, and for how long.
+    multi_turn: bool = False
+    multi_turn_store_size: int = 100_000
+    multi_turn_ttl: float = 450.0
+    session_header: str = "X-Session-Id"
+    # The next turn stays on its D while that D has at most this many more
+    # requests in flight than the least loaded routable D.
+    multi_turn_affinity_slack: int = 8
 
     def validated(self) -> ProxyConfig:
         """Return a copy with normalized URLs; raise ConfigError on bad values."""
@@ -135,6 +144,11 @@ class ProxyConfig:
         if self.max_total_body_bytes < self.max_request_bytes:
             # Otherwise a request the per-request cap allows could never be served.
             raise ConfigError("--max-total-body-bytes must be >= --max-request-bytes")
+        if self.multi_turn_store_size < 1 or not self.multi_turn_ttl > 0:
+            raise ConfigError("--multi-turn-store-size must be >= 1, --multi-turn-ttl > 0")
+        if self.multi_turn_affinity_slack < 0 or not self.session_header.strip():
+            raise ConfigError("--multi-turn-affinity-slack must be >= 0, --session-header "
+                              "non-empty")
         if self.max_sse_event_bytes < 1024:
             raise ConfigError("--max-sse-event-bytes must be >= 1024")
         # An empty key (e.g. an empty environment variable) means no key.

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -69,6 +69,9 @@ class RequestContext:
     error: str | None = None
     # The prompt's digest the legs are signed with (computed on first use).
     prompt_digest: str | None = None
+    # Multi-turn: take D's kv_transfer_params out of its answer (kept here).
+    capture_kv: bool = False
+    kept_turn: dict[str, Any] | None = None
 
     def finish(self, now: float, metrics: Metrics) -> None:
         """Record metrics and write the access-log line."""

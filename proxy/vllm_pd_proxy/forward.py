@@ -19,6 +19,13 @@ call :meth:`Forwarder.handle` once per client request. Flow:
    before D's first byte;
 4. relay D's answer (:mod:`vllm_pd_proxy.relay`), then metrics + access log.
 
+Multi-turn (``--multi-turn``, :mod:`vllm_pd_proxy.conversations`): a turn's
+P leg carries the blocks D kept from the conversation's previous turn (P reads
+back what matches its prompt), the D leg asks D to keep this turn
+(``pd_bidirectional``) and goes to the same D while it can take it, and D's
+answer is filed for the next turn. A P leg that fails with a read-back in it
+is sent once more without (P then prefills everything).
+
 Client disconnects cancel the handler (aiohttp ``handler_cancellation``); the
 ``finally`` blocks close the upstream responses and cancel the P task, which
 closes their connections so the engines abort the request and free its KV.
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Hashable
 from typing import Any
@@ -44,6 +52,7 @@ from .backends import Backend, Pool, PrefillIdentity
 from .body import BodyBudget, parse_body, read_body, reject_unsupported
 from .config import ProxyConfig
 from .context import RequestContext, log_safe, sanitize_request_id
+from .conversations import ConversationStore, Turn, conversation_key, readback_params
 from .health import HealthMonitor, ProbeError
 from .legs import (
     decode_body,
@@ -92,6 +101,8 @@ class Forwarder:
         self._metrics = metrics
         self._push = config.transfer_mode == "push"
         self._bodies = BodyBudget(config.max_total_body_bytes)
+        self._turns = ConversationStore(
+            config.multi_turn_store_size, config.multi_turn_ttl, time.monotonic)
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -162,20 +173,103 @@ class Forwarder:
         # The proxy owns kv_transfer_params: a client's own would corrupt the
         # handshake (or make a local-prefill request wait for a remote KV).
         body.pop("kv_transfer_params", None)
+        key = turn = None
+        if self._config.multi_turn:
+            key = conversation_key(request.headers, body, ctx.chat, self._config.session_header)
+            ctx.capture_kv = key is not None
+            turn = self._take_turn(key) if key is not None else None
         local, reason, decode, prefix = self._decide(ctx, body)
         self._metrics.decisions.labels("local" if local else "remote", reason).inc()
+        if turn is not None and decode is None:
+            decode = self._affine_decode(turn)
+        try:
+            return await self._run_flow(request, ctx, body, headers, local, decode, prefix, turn)
+        finally:
+            # Also when the client went away after the stream's last chunk
+            # (the handler is cancelled then).
+            if key is not None:
+                self._file_turn(ctx, key)
+
+    async def _run_flow(
+        self,
+        request: web.Request,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        local: bool,
+        decode: Backend | None,
+        prefix: Hashable | None,
+        turn: Turn | None,
+    ) -> web.StreamResponse:
         if local:
             ctx.mode = "local"
-            return await self._decode_leg(request, ctx, decode, _encode(body), headers, prefix)
+            keep = self._sign({"pd_bidirectional": True}, ctx, body) if ctx.capture_kv else None
+            return await self._decode_leg(
+                request, ctx, decode, _encode(decode_body(body, keep)), headers, prefix)
         if self._push:
             ctx.mode = "push"
-            return await self._push_flow(request, ctx, body, headers, decode, prefix)
+            return await self._push_flow(request, ctx, body, headers, decode, prefix, turn)
         ctx.mode = "pull"
         if decode is None and not self._decode.any_routable():
             # D is picked after P (its load changes meanwhile), but a prefill
             # whose KV no decode engine can take would be wasted work.
             raise errors.no_backend(self._decode.describe_unavailable())
-        return await self._pull_flow(request, ctx, body, headers, decode, prefix)
+        return await self._pull_flow(request, ctx, body, headers, decode, prefix, turn)
+
+    # -- multi-turn ------------------------------------------------------------
+
+    def _take_turn(self, key: str) -> Turn | None:
+        """The conversation's last turn, if P can still read it back from its D."""
+        turn, outcome = self._turns.take(key)
+        if turn is not None and not self._decode_by_url(turn.decode_url):
+            turn, outcome = None, "d_unavailable"
+        self._metrics.multi_turn.labels(outcome).inc()
+        return turn
+
+    def _decode_by_url(self, url: str) -> Backend | None:
+        for backend in self._decode.backends:
+            if backend.url == url and backend.routable:
+                return backend
+        return None
+
+    def _affine_decode(self, turn: Turn) -> Backend | None:
+        """The D that kept the last turn, while it is not much busier than the
+        least loaded routable D (its prefix cache holds the history)."""
+        same = self._decode_by_url(turn.decode_url)
+        usable = self._decode.usable()
+        if same is not None and usable:
+            least = min(b.in_flight for b in usable)
+            if same.in_flight <= least + self._config.multi_turn_affinity_slack:
+                self._metrics.affinity.labels("same").inc()
+                return same
+        self._metrics.affinity.labels("other").inc()
+        return None
+
+    def _file_turn(self, ctx: RequestContext, key: str) -> None:
+        # D sends its params only with a request that ended well (in a stream's
+        # finishing chunk), so having them is enough, even if the client then
+        # closed the connection before the stream's very end.
+        params, decode = ctx.kept_turn, ctx.decode
+        if params is None or decode is None:
+            self._turns.drop(key)  # the previous turn's blocks were read or are gone
+            return
+        self._turns.put(key, decode.url, params, time.time())
+
+    def _with_readback(self, params: dict[str, Any], turn: Turn | None) -> dict[str, Any]:
+        return params if turn is None else readback_params(turn.params, params)
+
+    def _readback_failed(
+        self, ctx: RequestContext, exc: errors.ProxyError, turn: Turn | None
+    ) -> bool:
+        """A P leg with a read-back failed on P (D gone, lease lost, with P's
+        kv_load_failure_policy=fail): worth one more try without it."""
+        failed = (turn is not None and exc.backend is not None and exc.backend.role == "prefill"
+                  and exc.outcome == "upstream_5xx" and not exc.draining)
+        if failed:
+            self._metrics.multi_turn.labels("readback_failed").inc()
+            logger.warning("request %s: prefill with read-back failed (%s); prefilling the "
+                           "whole prompt", ctx.request_id, log_safe(exc.message))
+        return failed
 
     def _decide(
         self, ctx: RequestContext, body: dict[str, Any]
@@ -244,9 +338,17 @@ class Forwarder:
         headers: dict[str, str],
         decode: Backend | None,
         prefix: Hashable | None,
+        turn: Turn | None = None,
     ) -> web.StreamResponse:
-        p_body = _encode(prefill_body(body, self._sign(pull_prefill_params(), ctx, body)))
-        answer = await self._prefill_with_retry(ctx, p_body, headers)
+        leg = self._with_readback(pull_prefill_params(), turn)
+        p_body = _encode(prefill_body(body, self._sign(leg, ctx, body)))
+        try:
+            answer = await self._prefill_with_retry(ctx, p_body, headers)
+        except errors.ProxyError as exc:
+            if not self._readback_failed(ctx, exc, turn):
+                raise
+            p_body = _encode(prefill_body(body, self._sign(pull_prefill_params(), ctx, body)))
+            answer = await self._prefill_with_retry(ctx, p_body, headers)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict) or not params:
             assert ctx.prefill is not None
@@ -257,6 +359,8 @@ class Forwarder:
                 "cache; is the engine running a KV connector with kv_role kv_producer or "
                 "kv_both?",
             )
+        if ctx.capture_kv:
+            params = dict(params, pd_bidirectional=True)
         d_body = _encode(decode_body(body, self._sign(params, ctx, body)))
         tried: list[Backend] = []
         while True:
@@ -308,6 +412,7 @@ class Forwarder:
         headers: dict[str, str],
         decode: Backend | None,
         prefix: Hashable | None,
+        turn: Turn | None = None,
     ) -> web.StreamResponse:
         if decode is None and not self._decode.any_routable():
             # Not worth a place in the prefill queue: no D could take the KV.
@@ -320,9 +425,12 @@ class Forwarder:
             slot, identity = await self._pick_push_prefill(ctx, tried_p)
             try:
                 return await self._push_legs(
-                    request, ctx, body, headers, decode, prefix, slot, identity, tried_d
+                    request, ctx, body, headers, decode, prefix, slot, identity, tried_d, turn
                 )
             except errors.ProxyError as exc:
+                if self._readback_failed(ctx, exc, turn):
+                    turn = None  # both legs again, P prefills everything
+                    continue
                 # One engine refused its leg unrun (draining, or never reached)
                 # before D's first byte: both legs were cancelled, so send the
                 # pair again, under a new pd_request_id, avoiding that engine.
@@ -345,6 +453,7 @@ class Forwarder:
         slot: PrefillSlot,
         identity: PrefillIdentity,
         tried_d: list[Backend],
+        turn: Turn | None = None,
     ) -> web.StreamResponse:
         prefill = slot.backend
         decode = decode or self._pick_decode(ctx, tried_d)
@@ -352,9 +461,12 @@ class Forwarder:
         # The key both engines file the push under: unique per dispatch even
         # when clients reuse an X-Request-Id (a duplicate key is refused).
         pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
-        p_body = _encode(prefill_body(body, self._sign(push_prefill_params(pd_id), ctx, body)))
-        d_body = _encode(
-            decode_body(body, self._sign(push_decode_params(identity, pd_id), ctx, body)))
+        p_leg = self._with_readback(push_prefill_params(pd_id), turn)
+        p_body = _encode(prefill_body(body, self._sign(p_leg, ctx, body)))
+        d_leg = push_decode_params(identity, pd_id)
+        if ctx.capture_kv:
+            d_leg["pd_bidirectional"] = True
+        d_body = _encode(decode_body(body, self._sign(d_leg, ctx, body)))
         # Both legs go out now: P pushes the KV while D is already waiting for it.
         p_task = asyncio.ensure_future(self._push_prefill_leg(ctx, slot, identity, p_body, headers))
         answered = False

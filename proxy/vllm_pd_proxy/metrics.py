@@ -142,6 +142,20 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.multi_turn = Counter(
+            "pd_proxy_multi_turn",
+            "Multi-turn: how each turn's lookup ended (hit: P reads the history back "
+            "from D; miss, expired, d_unavailable, readback_failed: P prefills it all)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.affinity = Counter(
+            "pd_proxy_multi_turn_decode",
+            "Multi-turn: whether a next turn's D leg went to the D that kept the last "
+            "turn (same) or elsewhere (other: unhealthy, busy)",
+            ["placement"],
+            registry=reg,
+        )
         reg.register(_BackendCollector(pools))
 
     def render(self) -> bytes:

@@ -30,6 +30,7 @@ from aiohttp import web
 from . import errors
 from .backends import Backend
 from .context import RequestContext
+from .conversations import extract_kv_params
 
 SSE_CONTENT_TYPE = "text/event-stream"
 
@@ -180,10 +181,24 @@ def _client_headers(ctx: RequestContext, resp: aiohttp.ClientResponse) -> dict[s
 
 
 def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response:
-    """A non-streaming answer: D's status, content type and body, verbatim."""
+    """A non-streaming answer: D's status, content type and body, verbatim
+    (multi-turn: less D's ``kv_transfer_params``, kept in ``ctx``)."""
+    body = opened.first
+    if ctx.capture_kv:
+        body, ctx.kept_turn = extract_kv_params(body, sse=False)
     return web.Response(
-        status=opened.resp.status, body=opened.first, headers=_client_headers(ctx, opened.resp)
+        status=opened.resp.status, body=body, headers=_client_headers(ctx, opened.resp)
     )
+
+
+def _take_kv(ctx: RequestContext, events: bytes) -> bytes:
+    """Multi-turn: D's kv_transfer_params out of complete SSE events."""
+    if not ctx.capture_kv:
+        return events
+    events, params = extract_kv_params(events, sse=True)
+    if params is not None:
+        ctx.kept_turn = params
+    return events
 
 
 async def relay_stream(
@@ -207,7 +222,7 @@ async def relay_stream(
     try:
         await out.prepare(request)
         if opened.first:
-            await out.write(opened.first)
+            await out.write(_take_kv(ctx, opened.first))
         ctx.ttft = asyncio.get_running_loop().time() - ctx.started
         pending, eof = opened.pending, opened.eof
         while not eof:
@@ -224,7 +239,7 @@ async def relay_stream(
                 error = errors.upstream_timeout("decode", backend, idle_timeout, "the next chunk")
                 break
             if events:
-                await out.write(events)
+                await out.write(_take_kv(ctx, events))
         if error is not None:
             await out.write(error.sse_event())
         await out.write_eof()

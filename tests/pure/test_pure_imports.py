@@ -25,6 +25,7 @@ PURE = [
     "config",
     "log",
     "auth",
+    "bidir",
     "leg_auth",
     "side_channel",
     "outbox",

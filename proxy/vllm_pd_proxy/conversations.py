@@ -1,0 +1,222 @@
+"""Multi-turn conversations: which D kept a conversation's last turn.
+
+Pure (no I/O); one :class:`ConversationStore` per proxy, used by
+:mod:`vllm_pd_proxy.forward` on the event loop only.
+
+After a turn, D's answer carries ``kv_transfer_params`` naming the blocks it
+kept (``vllm_pd_ext.bidir``). The proxy takes them out of the answer (the
+client never sees engine addresses), files them under the conversation's
+key, and on the next turn:
+
+- hands them to P's leg, so P reads the history back from D instead of
+  recomputing it (P verifies the prefix by hash; a rewritten history just
+  matches less, or nothing);
+- sends the D leg to the same D while it is routable and not much busier
+  than the least loaded one, so D's own prefix cache serves the history too.
+
+An entry is used once (the next turn's D answer replaces it), expires with
+D's lease (``remote_blocks_expiry_time``, less a margin) or the store's TTL,
+whichever is first, and the store is bounded (least recently used go first).
+
+Conversation key, first found: the ``X-Session-Id`` header (name set by
+``--session-header``), the body's ``conversation_id`` (vLLM's multi-turn demo
+proxy; removed before the body reaches an engine), else a hash of the model
+and the conversation's opening (chat: the messages up to the first user
+message; completions: the first 256 characters or 64 token ids). Two
+conversations with the same opening share a key: harmless, since P reads back
+only what matches its own prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+#: Seconds before D's stated expiry an entry is no longer handed out.
+EXPIRY_MARGIN_S = 5.0
+#: Longest key taken from a client (header or conversation_id).
+MAX_KEY_LEN = 256
+#: Blocks per kept turn accepted from a D (vllm_pd_ext.protocol.MAX_BLOCKS).
+MAX_BLOCKS = 1 << 20
+_HASH = re.compile(r"[0-9a-f]{16}")
+#: The kv_transfer_params fields P needs to read a kept turn back.
+_READBACK_FIELDS = (
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_request_id",
+    "remote_block_hashes",
+    "remote_blocks_expiry_time",
+    "remote_num_tokens",
+    "tp_size",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One conversation's last turn: the D that kept it and its params."""
+
+    decode_url: str
+    params: dict[str, Any]
+    expires_at: float  # the proxy's monotonic clock
+
+
+class ConversationStore:
+    """Bounded LRU of :class:`Turn` by conversation key, with expiry."""
+
+    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.capacity = max(1, capacity)
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def take(self, key: str) -> tuple[Turn | None, str]:
+        """Remove and return the key's turn: ``(turn, "hit")``, or
+        ``(None, "miss" | "expired")``."""
+        turn = self._turns.pop(key, None)
+        if turn is None:
+            return None, "miss"
+        if turn.expires_at <= self._clock():
+            return None, "expired"
+        return turn, "hit"
+
+    def put(self, key: str, decode_url: str, params: dict[str, Any], wall_now: float) -> bool:
+        """File D's answer; False (nothing filed) if it names no kept blocks
+        or is already about to expire."""
+        if not is_kept_turn(params):
+            return False
+        now = self._clock()
+        expires_at = now + self.ttl_s
+        expiry = params.get("remote_blocks_expiry_time")
+        if isinstance(expiry, int | float) and not isinstance(expiry, bool):
+            expires_at = min(expires_at, now + (float(expiry) - wall_now) - EXPIRY_MARGIN_S)
+        if expires_at <= now:
+            return False
+        self._turns.pop(key, None)
+        self._turns[key] = Turn(decode_url, params, expires_at)
+        while len(self._turns) > self.capacity:
+            self._turns.popitem(last=False)
+        return True
+
+    def drop(self, key: str) -> None:
+        self._turns.pop(key, None)
+
+
+def is_kept_turn(params: Any) -> bool:
+    """D's answer names kept blocks P can verify (hashes) and read, in the
+    types P accepts: anything else from a D is dropped here, so a broken or
+    hostile D cannot make the next turn's P leg malformed."""
+    if not isinstance(params, dict):
+        return False
+    blocks, hashes = params.get("remote_block_ids"), params.get("remote_block_hashes")
+    port = params.get("remote_port")
+    return (
+        isinstance(blocks, list)
+        and len(blocks) == 1
+        and isinstance(blocks[0], list)
+        and 0 < len(blocks[0]) <= MAX_BLOCKS
+        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks[0])
+        and isinstance(hashes, list)
+        and len(hashes) == len(blocks[0])
+        and all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes)
+        and isinstance(params.get("remote_host"), str)
+        and 0 < len(params["remote_host"]) <= 253
+        and isinstance(port, int)
+        and not isinstance(port, bool)
+        and 0 < port < 65536
+        and isinstance(params.get("remote_request_id"), str)
+        and 0 < len(params["remote_request_id"]) <= MAX_KEY_LEN * 32
+        and isinstance(params.get("remote_engine_id"), str)
+        and isinstance(params.get("tp_size", 1), int)
+    )
+
+
+def readback_params(kept: Mapping[str, Any], leg: Mapping[str, Any]) -> dict[str, Any]:
+    """A P leg's params (``leg``) plus what P needs to read ``kept`` back."""
+    out = dict(leg)
+    for key in _READBACK_FIELDS:
+        if key in kept:
+            out[key] = kept[key]
+    out["do_remote_decode"] = True
+    out["do_remote_prefill"] = False
+    return out
+
+
+def conversation_key(
+    headers: Mapping[str, str], body: dict[str, Any], chat: bool, header: str
+) -> str | None:
+    """The conversation's key (see the module docstring); pops ``conversation_id``."""
+    given = body.pop("conversation_id", None)
+    raw = headers.get(header)
+    if raw:
+        return "h:" + raw[:MAX_KEY_LEN]
+    if isinstance(given, str | int) and not isinstance(given, bool) and str(given):
+        return "c:" + str(given)[:MAX_KEY_LEN]
+    opening: Any
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        opening = []
+        for message in messages:
+            opening.append(message)
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            opening = prompt[:256]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:64]):
+            opening = prompt[:64]
+        else:
+            return None
+    digest = hashlib.sha256(
+        json.dumps(
+            [body.get("model"), body.get("user"), opening], sort_keys=True, default=str
+        ).encode()
+    ).hexdigest()
+    return "p:" + digest[:32]
+
+
+def extract_kv_params(payload: bytes, sse: bool) -> tuple[bytes, dict[str, Any] | None]:
+    """Take ``kv_transfer_params`` out of a D answer (a JSON body, or complete
+    SSE events); returns the payload without them, and the params. Bytes
+    without the key are returned as they are, unparsed."""
+    if b'"kv_transfer_params"' not in payload:
+        return payload, None
+    if not sse:
+        try:
+            body = json.loads(payload)
+        except ValueError:
+            return payload, None
+        if not isinstance(body, dict):
+            return payload, None
+        found = body.pop("kv_transfer_params", None)
+        return json.dumps(body, separators=(",", ":")).encode(), _as_dict(found)
+    out: list[bytes] = []
+    params: dict[str, Any] | None = None
+    for event in payload.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"kv_transfer_params"' in event:
+            try:
+                body = json.loads(event[6:])
+            except ValueError:
+                out.append(event)
+                continue
+            if isinstance(body, dict):
+                params = _as_dict(body.pop("kv_transfer_params", None)) or params
+                event = b"data: " + json.dumps(body, separators=(",", ":")).encode()
+        out.append(event)
+    return b"\n\n".join(out), params
+
+
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None

@@ -1,0 +1,80 @@
+"""conversations.py: the store (LRU, TTL, D's expiry) and the conversation key."""
+
+from __future__ import annotations
+
+from vllm_pd_proxy.conversations import (
+    EXPIRY_MARGIN_S,
+    ConversationStore,
+    conversation_key,
+    readback_params,
+)
+
+KEPT = {"remote_block_ids": [[1]], "remote_block_hashes": ["a" * 16], "remote_host": "h",
+        "remote_port": 1, "remote_request_id": "r", "remote_engine_id": "e", "tp_size": 1}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_store_is_single_use_bounded_and_expires():
+    clock = Clock()
+    store = ConversationStore(capacity=2, ttl_s=60, clock=clock)
+    assert store.put("a", "http://d0", KEPT, wall_now=0)
+    assert store.take("a")[1] == "hit" and store.take("a") == (None, "miss")
+    for key in ("a", "b", "c"):
+        store.put(key, "http://d0", KEPT, wall_now=0)
+    assert len(store) == 2 and store.take("a") == (None, "miss")  # LRU went first
+    clock.t += 61
+    assert store.take("b") == (None, "expired")
+
+
+def test_store_follows_d_expiry_and_refuses_what_p_cannot_verify():
+    clock = Clock()
+    store = ConversationStore(capacity=10, ttl_s=600, clock=clock)
+    # D keeps it 20 s from now (its wall clock): handed out until 20 - margin.
+    assert store.put("k", "u", dict(KEPT, remote_blocks_expiry_time=1020.0), wall_now=1000.0)
+    clock.t += 20 - EXPIRY_MARGIN_S - 0.1
+    assert store.take("k")[1] == "hit"
+    assert not store.put("k", "u", dict(KEPT, remote_blocks_expiry_time=1001.0), wall_now=1000.0)
+    assert not store.put("k", "u", {k: v for k, v in KEPT.items()
+                                    if k != "remote_block_hashes"}, wall_now=0)
+    assert not store.put("k", "u", "garbage", wall_now=0)  # type: ignore[arg-type]
+    # Wrong types from a broken or hostile D never reach the next P leg.
+    for bad in ({"remote_port": "80"}, {"remote_port": 0}, {"remote_block_ids": [[1, -1]]},
+                {"remote_block_ids": [[1], [2]]}, {"remote_block_hashes": ["xyz"]},
+                {"remote_block_hashes": ["a" * 16, "b" * 16]}, {"remote_host": 7},
+                {"remote_engine_id": None}):
+        assert not store.put("k", "u", dict(KEPT, **bad), wall_now=0), bad
+
+
+def test_readback_params_keep_the_leg_and_add_the_kept_blocks():
+    leg = {"do_remote_decode": True, "transfer_mode": "push", "pd_request_id": "x"}
+    out = readback_params(dict(KEPT, do_remote_prefill=True, unrelated=1), leg)
+    assert out["pd_request_id"] == "x" and out["transfer_mode"] == "push"
+    assert out["remote_block_hashes"] == KEPT["remote_block_hashes"]
+    assert out["do_remote_decode"] is True and out["do_remote_prefill"] is False
+    assert "unrelated" not in out
+
+
+def test_conversation_key_sources():
+    hdr = "X-Session-Id"
+    assert conversation_key({hdr: "s1"}, {"prompt": "x"}, False, hdr) == "h:s1"
+    body = {"prompt": "x", "conversation_id": "c1"}
+    assert conversation_key({}, body, False, hdr) == "c:c1" and "conversation_id" not in body
+    assert len(conversation_key({hdr: "z" * 10_000}, {}, False, hdr) or "") < 300
+    first = {"model": "m", "messages": [{"role": "system", "content": "s"},
+                                        {"role": "user", "content": "u1"}]}
+    later = {"model": "m", "messages": first["messages"] + [
+        {"role": "assistant", "content": "a"}, {"role": "user", "content": "u2"}]}
+    other = {"model": "m", "messages": [{"role": "user", "content": "u9"}]}
+    k1, k2 = conversation_key({}, first, True, hdr), conversation_key({}, later, True, hdr)
+    assert k1 == k2 and k1 != conversation_key({}, other, True, hdr)
+    assert conversation_key({}, dict(first, user="alice"), True, hdr) != k1
+    assert conversation_key({}, {"prompt": list(range(100))}, False, hdr) == conversation_key(
+        {}, {"prompt": [*list(range(64)), 1]}, False, hdr)
+    assert conversation_key({}, {"messages": "bad"}, True, hdr) is None

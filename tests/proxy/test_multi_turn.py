@@ -1,0 +1,173 @@
+"""Multi-turn (--multi-turn): D's kept turn is taken out of its answer, filed
+by conversation, handed to the next turn's P leg, and the next turn stays on
+that D; every way a turn cannot reuse the history is counted."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+from pdproxy_helpers import FakeEngine, chunk, completion, parse_sse, sse
+
+KEPT = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": "engine-d",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5700,
+    "remote_block_ids": [[7, 8]],
+    "remote_request_id": "d-req-1",
+    "remote_block_hashes": ["0123456789abcdef", "fedcba9876543210"],
+    "remote_num_tokens": 32,
+    "tp_size": 1,
+}
+
+
+def keeping_decode(kept: dict[str, Any] | None = None):
+    """A D override that answers like a bidirectional engine: its params in
+    the body, or in the stream's finishing chunk."""
+
+    async def handler(eng: FakeEngine, request: web.Request, body: dict[str, Any]):
+        params = dict(kept or KEPT, remote_blocks_expiry_time=time.time() + 300,
+                      remote_request_id=f"d-{len(eng.legs())}")
+        if not (body.get("kv_transfer_params") or {}).get("pd_bidirectional"):
+            params = None
+        if not body.get("stream"):
+            answer = completion(request.path, body, "ok")
+            if params:
+                answer["kv_transfer_params"] = params
+            return web.json_response(answer)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse(chunk(request.path, "o")))
+        last = chunk(request.path, "k")
+        last["choices"][0]["finish_reason"] = "length"
+        if params:
+            last["kv_transfer_params"] = params
+        await out.write(sse(last) + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    return handler
+
+
+async def _metric(client, name: str, label: str) -> float:
+    text = await (await client.get("/metrics")).text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+async def test_kept_turn_goes_to_the_next_p_leg_and_the_same_d(engines, proxy):
+    p = await engines("prefill")
+    d0 = await engines("decode", override=keeping_decode())
+    d1 = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d0, d1], multi_turn=True)
+    session = {"X-Session-Id": "conv-1"}
+    body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+    for turn in range(3):
+        stream = turn == 1
+        resp = await client.post("/v1/completions", json=dict(body, stream=stream),
+                                 headers=session)
+        assert resp.status == 200
+        raw = await resp.read()
+        assert b"kv_transfer_params" not in raw  # engine addresses stay inside
+        if stream:
+            assert parse_sse(raw)[-1] == "[DONE]"
+        p_leg = p.legs()[-1].body["kv_transfer_params"]
+        d_served = d0 if d0.legs() and len(d0.legs()) + len(d1.legs()) == turn + 1 and \
+            d0.legs()[-1].at >= max([s.at for s in d1.legs()] or [0]) else d1
+        d_leg = d_served.legs()[-1].body["kv_transfer_params"]
+        assert d_leg["pd_bidirectional"] is True
+        if turn == 0:
+            assert "remote_block_hashes" not in p_leg
+            first = d_served
+        else:
+            # P reads the previous turn back: D's kept blocks, verbatim.
+            assert p_leg["remote_block_hashes"] == KEPT["remote_block_hashes"]
+            assert p_leg["remote_request_id"] == f"d-{len(first.legs()) - 1}"
+            assert p_leg["do_remote_decode"] is True and p_leg["do_remote_prefill"] is False
+            assert d_served is first  # affinity: the D that holds the history
+    assert await _metric(client, "pd_proxy_multi_turn_total", 'outcome="hit"') == 2
+    assert await _metric(client, "pd_proxy_multi_turn_total", 'outcome="miss"') == 1
+    assert await _metric(client, "pd_proxy_multi_turn_decode_total", 'placement="same"') == 2
+
+
+async def test_without_multi_turn_nothing_changes(engines, proxy):
+    p = await engines("prefill")
+    d = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d])
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+                                 headers={"X-Session-Id": "s"})
+        assert resp.status == 200
+    assert all("pd_bidirectional" not in leg.body["kv_transfer_params"] for leg in d.legs())
+    assert all("remote_block_hashes" not in leg.body["kv_transfer_params"] for leg in p.legs())
+
+
+async def test_conversation_id_and_opening_keys(engines, proxy):
+    p = await engines("prefill")
+    d = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d], multi_turn=True)
+    # vLLM's multi-turn demo proxy key: taken out before the engines see it.
+    for _ in range(2):
+        resp = await client.post("/v1/completions",
+                                 json={"model": "m", "prompt": "a", "conversation_id": "c9"})
+        assert resp.status == 200
+    assert all("conversation_id" not in leg.body for leg in p.legs() + d.legs())
+    assert "remote_block_hashes" in p.legs()[-1].body["kv_transfer_params"]
+    # No key at all: chat turns of one conversation share their opening.
+    opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"}]
+    later = [*opening, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    for messages in (opening, later):
+        resp = await client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
+        assert resp.status == 200
+    assert "remote_block_hashes" in p.legs()[-1].body["kv_transfer_params"]
+
+
+async def test_unhealthy_d_and_expired_turn_fall_back(engines, proxy):
+    p = await engines("prefill")
+    d = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d], multi_turn=True, multi_turn_ttl=0.3)
+    body = {"model": "m", "prompt": "hello"}
+    hdr = {"X-Session-Id": "e"}
+    assert (await client.post("/v1/completions", json=body, headers=hdr)).status == 200
+    time.sleep(0.4)
+    assert (await client.post("/v1/completions", json=body, headers=hdr)).status == 200
+    assert "remote_block_hashes" not in p.legs()[-1].body["kv_transfer_params"]
+    assert await _metric(client, "pd_proxy_multi_turn_total", 'outcome="expired"') == 1
+
+
+async def test_failed_readback_is_retried_without_it(engines, proxy):
+    async def p_fails_readback(eng: FakeEngine, request: web.Request, body: dict[str, Any]):
+        if "remote_block_hashes" in body["kv_transfer_params"]:
+            return web.json_response({"error": "KV load failed"}, status=500)
+        answer = completion(request.path, body, "x")
+        answer["kv_transfer_params"] = dict(eng.kv_params or {})
+        return web.json_response(answer)
+
+    p = await engines("prefill", override=p_fails_readback)
+    d = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d], multi_turn=True)
+    hdr = {"X-Session-Id": "f"}
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "q"},
+                                 headers=hdr)
+        assert resp.status == 200, await resp.text()
+    assert [("remote_block_hashes" in s.body["kv_transfer_params"]) for s in p.legs()] == [
+        False, True, False]
+    assert await _metric(client, "pd_proxy_multi_turn_total", 'outcome="readback_failed"') == 1
+
+
+def test_extract_kv_params_leaves_other_events_alone():
+    from vllm_pd_proxy.conversations import extract_kv_params
+
+    events = (b'data: {"choices":[{"text":"a"}]}\n\n'
+              b'data: {"choices":[{"text":"b"}],"kv_transfer_params":{"x":1}}\n\n')
+    out, params = extract_kv_params(events, sse=True)
+    assert params == {"x": 1}
+    assert out == (b'data: {"choices":[{"text":"a"}]}\n\n'
+                   b'data: {"choices":[{"text":"b"}]}\n\n')
+    body, params = extract_kv_params(json.dumps({"a": 1}).encode(), sse=False)
+    assert params is None and json.loads(body) == {"a": 1}
