@@ -45,20 +45,20 @@ USAGE = "vllm:kv_cache_usage_perc"
 PUSH_TTL = 20.0
 
 
-def _fallbacks(engine: Engine, reason: str) -> float:
-    with urllib.request.urlopen(engine.url + "/metrics") as r:
+def _sample(url: str, series: str, label: str) -> float:
+    """A Prometheus counter's value summed over the samples with ``label``."""
+    with urllib.request.urlopen(url + "/metrics") as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:pd_ext_readback_fallbacks_total{")
-               and f'reason="{reason}"' in line)
+               if line.startswith(series + "{") and label in line)
+
+
+def _fallbacks(engine: Engine, reason: str) -> float:
+    return _sample(engine.url, "vllm:pd_ext_readback_fallbacks_total", f'reason="{reason}"')
 
 
 def _proxy_count(proxy: Proxy, outcome: str) -> float:
-    with urllib.request.urlopen(proxy.url + "/metrics") as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pd_proxy_multi_turn_total{")
-               and f'outcome="{outcome}"' in line)
+    return _sample(proxy.url, "pd_proxy_multi_turn_total", f'outcome="{outcome}"')
 
 
 def _kept_tokens(prompt: list[int], answer: list[int]) -> int:
