@@ -26,6 +26,8 @@ PURE = [
     "log",
     "auth",
     "bidir",
+    "sizing",
+    "size_cli",
     "leg_auth",
     "side_channel",
     "outbox",
