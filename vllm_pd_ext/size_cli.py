@@ -42,12 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt length; repeat (default: 2000)")
     q.add_argument("--link", type=float, action="append", metavar="GB_S",
                    help="effective link bandwidth in GB/s (1e9 B/s); repeat (default: 100 25 10)")
-    q.add_argument("--setup-ms", type=float, default=1.0, help="per-handoff setup term")
+    q.add_argument("--setup-ms", type=float, default=None,
+                   help="per-handoff setup term (default: 1, or the measured one)")
     q.add_argument("--budget-ms", type=float, default=20.0, help="handoff budget to check")
     q.add_argument("--short-tokens", type=int, default=300,
                    help="the short-prompt case, on the slowest link; 0: leave out")
     q.add_argument("--sensitivity-dtype", default="fp8",
                    help="also size the KV in this dtype; '' to leave out")
+    m = p.add_argument_group("measuring our transport here (needs the nixl extra)")
+    m.add_argument("--measure", action="store_true",
+                   help="READ 64 KiB, 4 MiB and 64 MiB between two processes over NIXL on "
+                   "this host and add the measured bandwidth (and setup term) as a link")
+    m.add_argument("--measure-reps", type=int, default=5, metavar="N")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -95,6 +101,12 @@ def render(out: dict[str, Any]) -> str:
                     f"{link['effective_bandwidth_gb_s']:g} | {link['bandwidth_floor_ms']:.4f} | "
                     f"{link['handoff_floor_ms']:.4f} | "
                     f"{'yes' if link['within_budget'] else 'no'} |")
+    if "measured" in out:
+        ms = out["measured"]
+        pts = ", ".join(f"{p['bytes'] >> 10} KiB in {p['median_s'] * 1e3:.3f} ms"
+                        for p in ms["points"])
+        lines += ["", f"measured: {ms['effective_bandwidth_gb_s']:.3f} GB/s, setup "
+                  f"{ms['setup_ms']:.4f} ms ({pts}; {ms['where']})"]
     if "short_prompt_case" in out:
         sc = out["short_prompt_case"]
         lines += ["", f"short prompt: {sc['prompt_tokens']} tokens at "
@@ -108,9 +120,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         spec = spec_from_args(args)
-        out = report(spec, args.tokens or [2000], args.link or [100.0, 25.0, 10.0],
-                     args.setup_ms, args.budget_ms, args.short_tokens or None,
-                     args.sensitivity_dtype or None)
+        links = list(args.link or [100.0, 25.0, 10.0])
+        setup_ms = 1.0 if args.setup_ms is None else args.setup_ms
+        measured = None
+        if args.measure:
+            from vllm_pd_ext.sizing_measure import measure
+
+            measured = measure(reps=max(1, args.measure_reps))
+            links.append(round(measured.effective_bandwidth_gb_s, 3))
+            if args.setup_ms is None:
+                setup_ms = measured.setup_ms
+        out = report(spec, args.tokens or [2000], links, setup_ms, args.budget_ms,
+                     args.short_tokens or None, args.sensitivity_dtype or None)
+        if measured is not None:
+            out["measured"] = {
+                "effective_bandwidth_gb_s": measured.effective_bandwidth_gb_s,
+                "setup_ms": measured.setup_ms, "where": measured.where,
+                "points": [{"bytes": b, "median_s": t} for b, t in measured.points]}
     except SizingError as exc:
         print(f"vllm-pd-size: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
