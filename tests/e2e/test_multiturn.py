@@ -294,7 +294,7 @@ def test_lease_expiry_between_turns(ref: Engine, model: str,
     """D's kept turn expires before the next turn: the proxy no longer hands
     it out, a P leg that still names it falls back (expired), D freed it."""
     p, d, proxy = push_engines["p"], push_engines["d0"], push_engines["proxy"]
-    base = d.metrics()[USAGE]
+    kept0 = d.metrics().get(KEPT, 0.0)
     session = {"X-Session-Id": "expiry"}
     prompt = token_prompt(200, 330)
     status, first = proxy.post("/v1/completions", completion_body(
@@ -304,7 +304,13 @@ def test_lease_expiry_between_turns(ref: Engine, model: str,
     # it inside).
     kept_params = _direct_kept_turn(p, d, model, [*prompt, 5])
     assert kept_params["remote_block_hashes"], kept_params
-    assert d.metrics()[USAGE] > base
+    # Both turns are kept (earlier tests' kept turns may expire meanwhile, so
+    # D's usage is no baseline here).
+    deadline = time.monotonic() + 10
+    while d.metrics().get(KEPT, 0.0) < kept0 + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert d.metrics().get(KEPT, 0.0) == kept0 + 2
+    assert d.metrics()[USAGE] > 0
     expired0 = d.metrics().get("vllm:pd_ext_turns_expired_total", 0.0)
     time.sleep(PUSH_TTL + 1)
     poke(d, model)  # an idle D sweeps on the next request
