@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="conversations remembered (LRU)",
     )
     g.add_argument(
+        "--multi-turn-store-mib",
+        type=int,
+        default=_D.multi_turn_store_mib,
+        metavar="MIB",
+        help="memory the remembered conversations may take (LRU beyond it)",
+    )
+    g.add_argument(
         "--multi-turn-ttl",
         type=float,
         default=_D.multi_turn_ttl,
@@ -313,6 +320,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         auth=_keyring(args.auth_secret_file),
         multi_turn=args.multi_turn,
         multi_turn_store_size=args.multi_turn_store_size,
+        multi_turn_store_mib=args.multi_turn_store_mib,
         multi_turn_ttl=args.multi_turn_ttl,
         session_header=args.session_header,
         multi_turn_affinity_slack=args.multi_turn_affinity_slack,

@@ -95,6 +95,7 @@ class ProxyConfig:
     # next turn's P reads it back; conversations remembered, and for how long.
     multi_turn: bool = False
     multi_turn_store_size: int = 100_000
+    multi_turn_store_mib: int = 256
     multi_turn_ttl: float = 450.0
     session_header: str = "X-Session-Id"
     # The next turn stays on its D while that D has at most this many more
@@ -144,8 +145,10 @@ class ProxyConfig:
         if self.max_total_body_bytes < self.max_request_bytes:
             # Otherwise a request the per-request cap allows could never be served.
             raise ConfigError("--max-total-body-bytes must be >= --max-request-bytes")
-        if self.multi_turn_store_size < 1 or not self.multi_turn_ttl > 0:
-            raise ConfigError("--multi-turn-store-size must be >= 1, --multi-turn-ttl > 0")
+        if (self.multi_turn_store_size < 1 or self.multi_turn_store_mib < 1
+                or not self.multi_turn_ttl > 0):
+            raise ConfigError("--multi-turn-store-size and --multi-turn-store-mib must be >= 1, "
+                              "--multi-turn-ttl > 0")
         if self.multi_turn_affinity_slack < 0 or not self.session_header.strip():
             raise ConfigError("--multi-turn-affinity-slack must be >= 0, --session-header "
                               "non-empty")

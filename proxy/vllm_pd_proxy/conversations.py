@@ -41,6 +41,8 @@ from typing import Any
 EXPIRY_MARGIN_S = 5.0
 #: Longest key taken from a client (header or conversation_id).
 MAX_KEY_LEN = 256
+#: Bytes counted per entry besides its params (key, URL, objects).
+_ENTRY_OVERHEAD = 256
 #: Blocks per kept turn accepted from a D (vllm_pd_ext.protocol.MAX_BLOCKS).
 MAX_BLOCKS = 1 << 20
 _HASH = re.compile(r"[0-9a-f]{16}")
@@ -60,21 +62,36 @@ _READBACK_FIELDS = (
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One conversation's last turn: the D that kept it and its params."""
+    """One conversation's last turn: the D that kept it and its params
+    (held as compact JSON of the read-back fields: a long history's hashes
+    are tens of KB as Python objects, a few KB as bytes)."""
 
     decode_url: str
-    params: dict[str, Any]
+    params_json: bytes
     expires_at: float  # the proxy's monotonic clock
+
+    @property
+    def params(self) -> dict[str, Any]:
+        params: dict[str, Any] = json.loads(self.params_json)
+        return params
+
+    @property
+    def size(self) -> int:
+        return len(self.params_json) + len(self.decode_url) + _ENTRY_OVERHEAD
 
 
 class ConversationStore:
-    """Bounded LRU of :class:`Turn` by conversation key, with expiry."""
+    """Bounded LRU of :class:`Turn` by conversation key, with expiry: at
+    most ``capacity`` entries and ``max_bytes`` of them."""
 
-    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float],
+                 max_bytes: int = 256 << 20) -> None:
         self.capacity = max(1, capacity)
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
         self._turns: OrderedDict[str, Turn] = OrderedDict()
+        self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -82,7 +99,7 @@ class ConversationStore:
     def take(self, key: str) -> tuple[Turn | None, str]:
         """Remove and return the key's turn: ``(turn, "hit")``, or
         ``(None, "miss" | "expired")``."""
-        turn = self._turns.pop(key, None)
+        turn = self._pop(key)
         if turn is None:
             return None, "miss"
         if turn.expires_at <= self._clock():
@@ -90,8 +107,8 @@ class ConversationStore:
         return turn, "hit"
 
     def put(self, key: str, decode_url: str, params: dict[str, Any], wall_now: float) -> bool:
-        """File D's answer; False (nothing filed) if it names no kept blocks
-        or is already about to expire."""
+        """File D's answer; False (nothing filed) if it names no kept blocks,
+        is already about to expire, or alone exceeds the byte budget."""
         if not is_kept_turn(params):
             return False
         now = self._clock()
@@ -101,14 +118,25 @@ class ConversationStore:
             expires_at = min(expires_at, now + (float(expiry) - wall_now) - EXPIRY_MARGIN_S)
         if expires_at <= now:
             return False
-        self._turns.pop(key, None)
-        self._turns[key] = Turn(decode_url, params, expires_at)
-        while len(self._turns) > self.capacity:
-            self._turns.popitem(last=False)
+        kept = {k: params[k] for k in _READBACK_FIELDS if k in params}
+        turn = Turn(decode_url, json.dumps(kept, separators=(",", ":")).encode(), expires_at)
+        self._pop(key)
+        if turn.size + len(key) > self.max_bytes:
+            return False
+        self._turns[key] = turn
+        self.num_bytes += turn.size + len(key)
+        while len(self._turns) > self.capacity or self.num_bytes > self.max_bytes:
+            self._pop(next(iter(self._turns)))
         return True
 
     def drop(self, key: str) -> None:
-        self._turns.pop(key, None)
+        self._pop(key)
+
+    def _pop(self, key: str) -> Turn | None:
+        turn = self._turns.pop(key, None)
+        if turn is not None:
+            self.num_bytes -= turn.size + len(key)
+        return turn
 
 
 def is_kept_turn(params: Any) -> bool:

@@ -102,7 +102,8 @@ class Forwarder:
         self._push = config.transfer_mode == "push"
         self._bodies = BodyBudget(config.max_total_body_bytes)
         self._turns = ConversationStore(
-            config.multi_turn_store_size, config.multi_turn_ttl, time.monotonic)
+            config.multi_turn_store_size, config.multi_turn_ttl, time.monotonic,
+            max_bytes=config.multi_turn_store_mib << 20)
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()

@@ -78,3 +78,26 @@ def test_conversation_key_sources():
     assert conversation_key({}, {"prompt": list(range(100))}, False, hdr) == conversation_key(
         {}, {"prompt": [*list(range(64)), 1]}, False, hdr)
     assert conversation_key({}, {"messages": "bad"}, True, hdr) is None
+
+
+def test_store_is_bounded_in_bytes_too():
+    clock = Clock()
+    big = dict(KEPT, remote_block_ids=[list(range(2000))], remote_block_hashes=["a" * 16] * 2000)
+    store = ConversationStore(capacity=1000, ttl_s=60, clock=clock, max_bytes=100_000)
+    for i in range(10):
+        assert store.put(f"k{i}", "http://d0", big, wall_now=0)
+    assert store.num_bytes <= 100_000 and len(store) < 10
+    assert store.take("k9")[1] == "hit" and store.take("k0") == (None, "miss")  # LRU went
+    turn = ConversationStore(10, 60, clock).put("x", "u", dict(KEPT, extra="dropped"), 0)
+    assert turn
+    tiny = ConversationStore(10, 60, clock, max_bytes=10)
+    assert not tiny.put("x", "u", KEPT, wall_now=0) and tiny.num_bytes == 0
+
+
+def test_filed_params_keep_only_the_readback_fields():
+    store = ConversationStore(10, 60, Clock())
+    store.put("x", "u", dict(KEPT, secret_field="not forwarded"), wall_now=0)
+    turn, _ = store.take("x")
+    assert turn is not None and "secret_field" not in turn.params
+    assert turn.params["remote_block_hashes"] == KEPT["remote_block_hashes"]
+    assert store.num_bytes == 0
