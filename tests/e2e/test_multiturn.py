@@ -227,6 +227,7 @@ def test_rewritten_history_falls_back(ref: Engine, model: str,
     nothing back (prefix_mismatch), one later reads back only the blocks
     before it. Both equal the collocated engine."""
     p, proxy = pull_engines["p"], pull_engines["proxy"]
+    ds = [pull_engines["d0"], pull_engines["d1"]]
     for where, label in ((3, "early"), (300, "late")):
         session = {"X-Session-Id": f"rewrite-{label}"}
         prompt = token_prompt(200, 310 + where)
@@ -240,10 +241,13 @@ def test_rewritten_history_falls_back(ref: Engine, model: str,
         assert where // BLOCK > 1 or where < BLOCK
         _, want = ref.post("/v1/completions", body)
         before, mismatches = p.metrics(), _fallbacks(p, "prefix_mismatch")
+        d_before = [d.metrics() for d in ds]
         status, got = proxy.post("/v1/completions", body, headers=session)
         after = p.metrics()
         assert status == 200, got
         assert_same_as_reference(ref, got, want)
+        # The handoff itself still happened: D loaded the prompt's KV from P.
+        assert sum(delta(a, d.metrics(), EXTERNAL) for a, d in zip(d_before, ds, strict=True)) > 0
         if where < BLOCK:
             assert _fallbacks(p, "prefix_mismatch") == mismatches + 1
             assert delta(before, after, READBACK) == 0
@@ -321,10 +325,11 @@ def test_lease_expiry_between_turns(ref: Engine, model: str,
     body = completion_body(model, history, max_tokens=8)
     _, want = ref.post("/v1/completions", body)
     expired = _proxy_count(proxy, "expired")
-    before = p.metrics()
+    before, d_before = p.metrics(), d.metrics()
     status, got = proxy.post("/v1/completions", body, headers=session)
     assert status == 200, got
     assert_same_as_reference(ref, got, want)
+    assert delta(d_before, d.metrics(), EXTERNAL) > 0  # KV still moved P -> D
     assert _proxy_count(proxy, "expired") == expired + 1
     assert delta(before, p.metrics(), READBACK) == 0
     # A P leg that still names the expired turn (a proxy without expiry
@@ -426,8 +431,12 @@ def test_decode_killed_between_turns(ref: Engine, model: str,
     _, want = ref.post("/v1/completions", body)
     before = p.metrics()
     outcomes = {o: _proxy_count(proxy, o) for o in ("d_unavailable", "readback_failed")}
+    survivor = ds[1 - victim]
+    d_before = survivor.metrics()
     status, got = proxy.post("/v1/completions", body, headers=session)
     assert status == 200, got
     assert_same_as_reference(ref, got, want)
+    # The other D decoded it, from KV it loaded from P (not recomputed).
+    assert delta(d_before, survivor.metrics(), EXTERNAL) == len(history)
     assert delta(before, p.metrics(), READBACK) == 0
     assert sum(_proxy_count(proxy, o) - n for o, n in outcomes.items()) == 1
