@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -140,7 +141,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     except SizingError as exc:
         print(f"vllm-pd-size: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    print(json.dumps(out, indent=2) if args.json else render(out))
+    emit(json.dumps(out, indent=2) if args.json else render(out))
+
+
+def emit(text: str) -> None:
+    """Print ``text``; a reader that closed the pipe early (``| head``,
+    ``| grep -q``) ends the command quietly with status 1, not a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python's own recipe: point stdout at devnull so the interpreter's
+        # final flush at exit cannot raise a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ model configs it must size or refuse by name."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +90,18 @@ def test_cli_json_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(model)])
     assert "not readable JSON" in capsys.readouterr().err
+
+
+def test_cli_reader_closing_the_pipe_is_not_a_traceback():
+    """`vllm-pd-size ... | grep -q X` closes the pipe early: the command ends
+    quietly (status 1, nothing on stderr), as CI's packaging check found."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from vllm_pd_ext.size_cli import main; main()",
+         "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--kv-dtype", "bf16",
+         *[a for n in range(200, 4200, 200) for a in ("--tokens", str(n))]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first byte is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
