@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -62,6 +63,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorStats",
     "KVConnectorTransferResults",
+    "KVConnectorWorkerMetadata",
     "RequestStatus",
     "compat_info",
     "engine_id",

@@ -95,6 +95,10 @@ class PDConfig:
     #: D: at most this fraction of D's KV blocks is kept for next turns; the
     #: least recently kept that no P is reading go first.
     decoder_kv_blocks_budget: float = 0.25
+    #: D: put each request's transfer record (telemetry.py) in its final
+    #: answer's kv_transfer_params as ``pd_transfer``, for the proxy and
+    #: benchmarks. It is always logged; off by default because it names P.
+    transfer_telemetry_in_response: bool = False
     _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -318,4 +322,5 @@ _VALIDATORS: dict[str, Any] = {
     "kv_recompute_threshold": _count,
     "decoder_kv_blocks_ttl": _ttl,
     "decoder_kv_blocks_budget": _fraction,
+    "transfer_telemetry_in_response": _bool,
 }

@@ -14,6 +14,7 @@ from vllm_pd_ext.compat import (
     KVConnectorRole,
     KVConnectorStats,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.metadata import PDConnectorMetadata
@@ -121,6 +122,9 @@ class PDConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.build_worker_meta()
 
     # ------------------------------------------------------------ both
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

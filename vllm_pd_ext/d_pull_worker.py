@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pd_ext import outbox
+from vllm_pd_ext import outbox, telemetry
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.coalesce import build_descriptors
@@ -47,6 +47,7 @@ from vllm_pd_ext.metadata import RecvSpec
 from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.side_channel import SideChannelError
+from vllm_pd_ext.telemetry import TransferRecord
 from vllm_pd_ext.transport import Transport, TransportError, XferState
 
 logger = get_logger(__name__)
@@ -120,6 +121,21 @@ class RecvJob:
         s = self.spec
         return (s.remote_engine_id, s.remote_host, s.remote_port)
 
+    def record(self, now: float, outcome: str = "ok", detail: str = "") -> TransferRecord:
+        """This load's telemetry (``telemetry.py``), its phases as far as it got."""
+        s = self.spec
+        read_end = self.done_at or now
+        return TransferRecord(
+            request_id=s.request_id, remote_request_id=s.remote_request_id,
+            p_engine=s.remote_engine_id, p_addr=f"{s.remote_host}:{s.remote_port}",
+            mode="readback" if s.readback else "pull", outcome=outcome, detail=detail[:300],
+            bytes=self.nbytes, descriptors=self.ndescs, blocks=len(s.local_block_ids),
+            tokens=s.num_tokens,
+            handshake_ms=telemetry.ms((self.pin_sent or now) - self.arrived),
+            pin_ms=telemetry.ms((self.posted or now) - self.pin_sent) if self.pin_sent else None,
+            read_ms=telemetry.ms(read_end - self.posted) if self.posted else None,
+            lease_left_s=(round(self.valid_until - self.posted, 3) if self.posted else None))
+
 
 class LoadFailed(Exception):
     def __init__(self, reason: FailureReason, detail: str, release: bool = True) -> None:
@@ -160,6 +176,8 @@ class PullReader:
         self._retired: list[Peer] = []
         self._jobs: dict[str, RecvJob] = {}
         self._next_reap = 0.0
+        #: Telemetry of the loads that ended since ``take_records``.
+        self._records: list[TransferRecord] = []
 
     # ----------------------------------------------------------- intake
     def expect(self, spec: RecvSpec) -> None:
@@ -434,6 +452,7 @@ class PullReader:
                 "P may have reused those blocks, so the KV is not used")
         del self._jobs[job.spec.request_id]
         self._release(job.spec, ok=True, reason="")
+        self._records.append(job.record(done))
         self._on_loaded(job, done)
 
     def _timeout(self, job: RecvJob) -> LoadFailed | None:
@@ -466,6 +485,7 @@ class PullReader:
             entry.waiting.discard(spec.request_id)
         if exc.release:
             self._release(spec, ok=False, reason=exc.reason.value)
+        self._records.append(job.record(self._clock(), exc.reason.value, exc.detail))
         return spec.request_id, spec.local_block_ids, exc.reason, exc.detail
 
     def _release(self, spec: RecvSpec, ok: bool, reason: str) -> None:
@@ -520,6 +540,11 @@ class PullReader:
             del self._peers[key]
 
     # ------------------------------------------------------------ state
+    def take_records(self) -> list[TransferRecord]:
+        """The telemetry of the loads that ended since the last call."""
+        out, self._records = self._records, []
+        return out
+
     @property
     def num_in_flight(self) -> int:
         return len(self._jobs)

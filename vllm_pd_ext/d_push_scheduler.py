@@ -109,6 +109,8 @@ class PushEvent:
     reason: FailureReason = FailureReason.HANDSHAKE
     #: ``ABORT_STATUS``: P's answer.
     abort_state: proto.PushAbortState | None = None
+    #: When the reply arrived (the consumer's clock); 0: not recorded.
+    at: float = 0.0
 
 
 @dataclass
@@ -133,6 +135,8 @@ class PushWait:
     renewing: bool = False
     #: P confirmed it holds the request (queued or prefilling).
     queued: bool = False
+    #: The registration's round trip, once P accepted it (telemetry).
+    register_s: float | None = None
 
 
 class PushConsumer:
@@ -233,6 +237,11 @@ class PushConsumer:
         self._send_abort(wait, reason)
         return True
 
+    def register_seconds(self, request_id: str) -> float | None:
+        """The registration's round trip of a waiting request, once accepted."""
+        wait = self._waits.get(request_id)
+        return wait.register_s if wait is not None else None
+
     def finished(self, request_id: str) -> None:
         """The worker reported the request's KV landed (or its load failed)."""
         wait = self._waits.pop(request_id, None)
@@ -326,7 +335,7 @@ class PushConsumer:
     def _on_register_reply(self, rid: str, expect: str,
                            reply: proto.Reply | SideChannelError) -> None:
         if isinstance(reply, proto.PushAccepted):
-            event = PushEvent(rid, EventKind.ACCEPTED, str(reply.state))
+            event = PushEvent(rid, EventKind.ACCEPTED, str(reply.state), at=self._clock())
         elif isinstance(reply, SideChannelError) and not reply.refused:
             # Unknown whether P got it: the deadline (and the abort) decide.
             event = PushEvent(rid, EventKind.UNCONFIRMED, str(reply))
@@ -369,6 +378,8 @@ class PushConsumer:
         kind, detail = event.kind, event.detail
         if kind is EventKind.ACCEPTED:
             wait.state = WaitState.REGISTERED
+            if event.at:
+                wait.register_s = max(0.0, event.at - wait.registered_at)
             wait.window_closes = now + self.push_timeout_s + self.write_timeout_s
             wait.renew_at = now + self.renew_every_s
             if detail == proto.PushAcceptedState.QUEUED:

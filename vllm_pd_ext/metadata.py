@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm_pd_ext.compat import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm_pd_ext.compat import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 from vllm_pd_ext.protocol import AgentInfo
+from vllm_pd_ext.telemetry import TransferRecord
 
 
 @dataclass(frozen=True)
@@ -69,3 +74,16 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     #: Push consumers: the worker's wake socket for the scheduler's idle wait
     #: (``idle_wait.Waker``).
     wake_endpoint: str | None = None
+
+
+@dataclass
+class PDWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: the telemetry of the loads that ended
+    (``telemetry.py``). vLLM aggregates the ranks' objects with ``aggregate``."""
+
+    records: list[TransferRecord] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, PDWorkerMetadata):
+            return PDWorkerMetadata(self.records + other.records)
+        return self

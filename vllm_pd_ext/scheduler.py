@@ -49,7 +49,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd_ext import auth, bidir, compat
+from vllm_pd_ext import auth, bidir, compat, telemetry
 from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.affinity import bind_engine_core
 from vllm_pd_ext.bidir import Fallback, KeptTurns
@@ -94,6 +94,10 @@ class DRequest:
     #: vLLM finished the request while its load was in flight; the record
     #: goes when the workers report the load.
     ended: bool = False
+    #: When it arrived (monotonic): the start of its telemetry's ``kv_ready_ms``.
+    arrived: float = 0.0
+    #: Its load's telemetry, once the workers reported it (telemetry.py).
+    transfer: telemetry.TransferRecord | None = None
 
 
 class PDScheduler:
@@ -279,7 +283,7 @@ class PDScheduler:
                          "answer, or n > 1 / best_of: one prefill's KV feeds one decode)")
             return
         self._lease_users[lease] = rid
-        self._d[rid] = DRequest(params, lease=lease)
+        self._d[rid] = DRequest(params, lease=lease, arrived=time.monotonic())
         assert params.remote_host is not None and params.remote_port is not None
         self.heartbeats.track(rid, (params.remote_host, params.remote_port), _lease_key(params))
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
@@ -361,6 +365,9 @@ class PDScheduler:
             self._pending_push.append(spec)
 
     def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if meta is not None:
+            self._on_transfer_records(getattr(meta, "records", ()))
         failed = output.failed_recving or ()
         for rid in output.finished_recving or ():
             if self.readback.loaded(rid, rid in failed):
@@ -374,6 +381,28 @@ class PDScheduler:
             self.heartbeats.untrack(rid)
             if self.consumer is not None:
                 self.consumer.finished(rid)
+
+    def _on_transfer_records(self, records: Any) -> None:
+        """Complete the workers' telemetry records with what only the scheduler
+        knows (where the KV came from, time since arrival, push's registration
+        round trip), log each as one line, keep it for the request's answer."""
+        now = time.monotonic()
+        for rid, rec in telemetry.merge_by_request(list(records)).items():
+            d = self._d.get(rid)
+            if d is not None and d.params is not None:
+                params = d.params
+                fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
+                if not rec.p_engine:
+                    fill.update(p_engine=str(params.remote_engine_id),
+                                p_addr=f"{params.remote_host}:{params.remote_port}")
+                if not rec.remote_request_id:
+                    fill["remote_request_id"] = _lease_key(params)
+                if params.mode == "push" and self.consumer is not None:
+                    register = self.consumer.register_seconds(rid)
+                    if register is not None:
+                        fill["register_ms"] = telemetry.ms(register)
+                rec = d.transfer = msgspec.structs.replace(rec, **fill)
+            logger.info("%s", telemetry.log_line(rec))
 
     # ---------------------------------------------------------------- both
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
@@ -530,6 +559,13 @@ class PDScheduler:
 
     def _finish_consumer(self, rid: str, d: DRequest, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        delay, answer = self._finish_consumer_answer(rid, d, request, block_ids)
+        if self.cfg.transfer_telemetry_in_response and d.transfer is not None:
+            answer = {**(answer or {}), telemetry.PARAMS_KEY: telemetry.to_dict(d.transfer)}
+        return delay, answer
+
+    def _finish_consumer_answer(self, rid: str, d: DRequest, request: Any, block_ids: list[int]
+                                ) -> tuple[bool, dict[str, Any] | None]:
         params = d.params
         loading = d.loading
         if d.loading:

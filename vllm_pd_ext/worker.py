@@ -25,17 +25,18 @@ import time
 import uuid
 from typing import Any
 
-from vllm_pd_ext import compat
+from vllm_pd_ext import compat, telemetry
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.d_pull_worker import PullReader, RecvJob
 from vllm_pd_ext.d_push_worker import PushReceiver
 from vllm_pd_ext.idle_wait import Waker
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
+from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata
 from vllm_pd_ext.p_push_worker import Pusher
 from vllm_pd_ext.policy import FailureReason, LoadReport
 from vllm_pd_ext.protocol import AgentInfo, Region
 from vllm_pd_ext.stats import PDStats
+from vllm_pd_ext.telemetry import TransferRecord
 from vllm_pd_ext.transport import Transport
 
 logger = get_logger(__name__)
@@ -66,6 +67,9 @@ class PDWorker:
         self.pusher: Pusher | None = None
         self.receiver: PushReceiver | None = None
         self.waker: Waker | None = None
+        #: Telemetry of loads that ended outside the pull reader (push, and
+        #: failures the scheduler decided); sent with the step's results.
+        self._records: list[TransferRecord] = []
 
     # ------------------------------------------------------------- startup
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -179,7 +183,8 @@ class PDWorker:
         if self.reader is None:
             return
         for rid, block_ids, reason, detail in self.reader.advance():
-            self._fail_now(rid, block_ids, reason, detail)
+            # The reader recorded these loads' telemetry itself.
+            self._fail_now(rid, block_ids, reason, detail, record=False)
 
     def _loaded(self, job: RecvJob, done: float) -> None:
         copied = job.done_at or done
@@ -198,7 +203,14 @@ class PDWorker:
                     (copied - job.posted) * 1e3)
 
     def _fail_now(self, rid: str, block_ids: list[int], reason: FailureReason,
-                  detail: str) -> None:
+                  detail: str, record: bool = True) -> None:
+        if record:
+            # Where the KV came from is filled in by D's scheduler, which
+            # holds the request's params.
+            self._records.append(TransferRecord(
+                request_id=rid, remote_request_id="", p_engine="", p_addr="",
+                mode=self.cfg.transfer_mode, outcome=reason.value, detail=detail[:300],
+                blocks=len(block_ids)))
         if reason is FailureReason.ABORTED:
             # The request already ended; reporting it lets vLLM free the blocks.
             self._report.add_failed(rid, block_ids)
@@ -222,6 +234,11 @@ class PDWorker:
                 nbytes = block_bytes * len(spec.local_block_ids)
                 with self._stats_lock:
                     self._stats.record_landed(nbytes, len(spec.local_block_ids), landed.wait_s)
+                self._records.append(TransferRecord(
+                    request_id=spec.request_id, remote_request_id=spec.pd_request_id,
+                    p_engine="", p_addr="", mode="push", bytes=nbytes,
+                    blocks=len(spec.local_block_ids), tokens=spec.num_tokens,
+                    write_wait_ms=telemetry.ms(landed.wait_s)))
                 logger.info("PDConnector: request %s received %d tokens (%d B) pushed for %s; "
                             "waited %.2f ms", spec.request_id, spec.num_tokens, nbytes,
                             spec.pd_request_id, landed.wait_s * 1e3)
@@ -237,6 +254,13 @@ class PDWorker:
     def get_kv_connector_stats(self) -> PDStats | None:
         with self._stats_lock:
             return self._stats.take()
+
+    def build_worker_meta(self) -> PDWorkerMetadata | None:
+        """The telemetry of the loads this rank ended since the last step."""
+        records, self._records = self._records, []
+        if self.reader is not None:
+            records += self.reader.take_records()
+        return PDWorkerMetadata(records) if records else None
 
     @property
     def num_in_flight(self) -> int:

@@ -138,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a next turn stays on its D while that D has at most N more requests in "
         "flight than the least loaded D",
     )
+    g = p.add_argument_group("per-request telemetry (docs/telemetry.md)")
+    g.add_argument(
+        "--transfer-telemetry",
+        action="store_true",
+        help="add pd_telemetry to each answer (the non-streamed body, or the stream's "
+        "finishing chunk): the legs' timings and D's transfer record (decode engines need "
+        "transfer_telemetry_in_response)",
+    )
+    g.add_argument(
+        "--otel",
+        action="store_true",
+        help="export each request's legs as OpenTelemetry spans (needs opentelemetry-sdk; "
+        "the OTEL_* variables configure the exporter)",
+    )
     g = p.add_argument_group("back-pressure (prefill admission)")
     g.add_argument(
         "--max-inflight-per-prefill",
@@ -324,6 +338,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         multi_turn_ttl=args.multi_turn_ttl,
         session_header=args.session_header,
         multi_turn_affinity_slack=args.multi_turn_affinity_slack,
+        transfer_telemetry=args.transfer_telemetry,
+        otel=args.otel,
     ).validated()
 
 

@@ -101,6 +101,10 @@ class ProxyConfig:
     # The next turn stays on its D while that D has at most this many more
     # requests in flight than the least loaded routable D.
     multi_turn_affinity_slack: int = 8
+    # Per-request telemetry (vllm_pd_proxy.telemetry): leg timings and D's
+    # transfer record in each answer (pd_telemetry); spans over OpenTelemetry.
+    transfer_telemetry: bool = False
+    otel: bool = False
 
     def validated(self) -> ProxyConfig:
         """Return a copy with normalized URLs; raise ConfigError on bad values."""

@@ -13,11 +13,14 @@ which may quote a backend body that echoes the client's input.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from .telemetry import LegMarks
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -72,6 +75,13 @@ class RequestContext:
     # Multi-turn: take D's kv_transfer_params out of its answer (kept here).
     capture_kv: bool = False
     kept_turn: dict[str, Any] | None = None
+    # --transfer-telemetry / --otel: the legs' timings (vllm_pd_proxy.telemetry).
+    marks: LegMarks | None = None
+
+    def mark(self, name: str) -> None:
+        """Record that leg event ``name`` happened now (telemetry on only)."""
+        if self.marks is not None:
+            self.marks.mark(name, asyncio.get_running_loop().time())
 
     def finish(self, now: float, metrics: Metrics) -> None:
         """Record metrics and write the access-log line."""

@@ -70,6 +70,7 @@ from .relay import (
     open_decode_guarded,
     relay_stream,
 )
+from .telemetry import LegMarks, SpanExporter
 
 logger = logging.getLogger("vllm_pd_proxy.forward")
 
@@ -95,6 +96,8 @@ class Forwarder:
         self._config = config
         self._prefill = prefill
         self._gate = gate
+        self._telemetry = config.transfer_telemetry or config.otel
+        self._spans = SpanExporter() if config.otel else None
         self._decode = decode
         self._session = session
         self._monitor = monitor
@@ -111,6 +114,8 @@ class Forwarder:
         # push ids, the response header) sees the sanitized form.
         rid = sanitize_request_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
         ctx = RequestContext(rid, request.path, loop.time(), chat=chat)
+        if self._telemetry:
+            ctx.marks = LegMarks(ctx.started)
         held = self._bodies.reservation()
         try:
             raw = await read_body(request, held, self._config.max_request_bytes)
@@ -149,6 +154,19 @@ class Forwarder:
         finally:
             held.release()
             ctx.finish(loop.time(), self._metrics)
+            if self._spans is not None and ctx.marks is not None:
+                self._export_spans(ctx, loop.time())
+
+    def _export_spans(self, ctx: RequestContext, now: float) -> None:
+        assert self._spans is not None and ctx.marks is not None
+        ctx.marks.mode = ctx.mode
+        try:
+            self._spans.export(ctx.request_id, ctx.marks, now, {
+                "status": ctx.status, "outcome": ctx.outcome, "retries": ctx.retries,
+                "prefill": ctx.prefill.url if ctx.prefill else None,
+                "decode": ctx.decode.url if ctx.decode else None})
+        except Exception:  # telemetry must never fail a request
+            logger.exception("request %s: exporting its spans failed", ctx.request_id)
 
     def _sign(self, params: dict[str, Any], ctx: RequestContext, body: dict[str, Any]
               ) -> dict[str, Any]:
@@ -579,11 +597,13 @@ class Forwarder:
         started = loop.time()
         timeout = self._config.prefill_timeout
         prefill.acquire(ctx.tokens)
+        ctx.mark("prefill_sent_ms")
         try:
             async with asyncio.timeout(timeout):
                 url = prefill.url + ctx.endpoint
                 async with self._session.post(url, data=body, headers=headers) as resp:
                     data = await resp.read()
+                    ctx.mark("prefill_done_ms")
                     status = resp.status
                     ctype = resp.headers.get("Content-Type")
                     draining = errors.says_draining(status, resp.headers)
@@ -630,6 +650,9 @@ class Forwarder:
         started = loop.time()
         decode.acquire(ctx.tokens)
         opened: OpenedDecode | None = None
+        if ctx.marks is not None:
+            ctx.marks.mode = ctx.mode
+        ctx.mark("decode_sent_ms")
         try:
             if guard is None:
                 opened = await open_decode(
@@ -646,6 +669,7 @@ class Forwarder:
                     max_event,
                     guard,
                 )
+            ctx.mark("decode_first_byte_ms")
             if prefix is not None and decode.prefixes is not None:
                 decode.prefixes.touch(prefix)
             if not opened.sse:

@@ -31,6 +31,7 @@ from . import errors
 from .backends import Backend
 from .context import RequestContext
 from .conversations import extract_kv_params
+from .telemetry import annotate
 
 SSE_CONTENT_TYPE = "text/event-stream"
 
@@ -184,6 +185,8 @@ def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response
     """A non-streaming answer: D's status, content type and body, verbatim
     (multi-turn: less D's ``kv_transfer_params``, kept in ``ctx``)."""
     body = opened.first
+    if ctx.marks is not None:
+        body = annotate(body, False, ctx.marks, ctx.request_id, keep_kv=ctx.capture_kv)
     if ctx.capture_kv:
         body, ctx.kept_turn = extract_kv_params(body, sse=False)
     return web.Response(
@@ -192,7 +195,10 @@ def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response
 
 
 def _take_kv(ctx: RequestContext, events: bytes) -> bytes:
-    """Multi-turn: D's kv_transfer_params out of complete SSE events."""
+    """Multi-turn: D's kv_transfer_params out of complete SSE events;
+    telemetry: ``pd_telemetry`` into the finishing one."""
+    if ctx.marks is not None:
+        events = annotate(events, True, ctx.marks, ctx.request_id, keep_kv=ctx.capture_kv)
     if not ctx.capture_kv:
         return events
     events, params = extract_kv_params(events, sse=True)

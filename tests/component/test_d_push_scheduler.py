@@ -319,10 +319,13 @@ def test_replies_become_typed_events_and_states(consumer, clock):
     sent = register(consumer)
     wait = consumer._waits["d-req"]
     assert wait.state is WaitState.REGISTERING
+    assert consumer.register_seconds("d-req") is None
+    clock.advance(0.25)  # the registration's round trip (telemetry's register_ms)
     sent.callback(proto.PushAccepted(engine_id="eng-p", state=proto.PushAcceptedState.WRITING))
-    assert consumer._events == [PushEvent("d-req", EventKind.ACCEPTED, "writing")]
+    assert consumer._events == [PushEvent("d-req", EventKind.ACCEPTED, "writing", at=1000.25)]
     consumer.poll()
     assert wait.state is WaitState.REGISTERED
+    assert consumer.register_seconds("d-req") == 0.25
     consumer.abandon("d-req", "pd1", EP, "client went away")
     assert wait.state is WaitState.ABORTING
     answer_abort(consumer, AbortState.IN_FLIGHT)

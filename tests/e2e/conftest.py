@@ -1,7 +1,8 @@
 """Real vLLM engines for the end-to-end tests (started once per session).
 
 ``ref`` is a collocated engine without a connector (the oracle), ``p`` a
-PDConnector producer and ``d`` a consumer with ``kv_load_failure_policy=fail``.
+PDConnector producer and ``d`` a consumer with ``kv_load_failure_policy=fail``
+(and ``transfer_telemetry_in_response``).
 They are started together and stopped by PID at the end.
 """
 
@@ -28,7 +29,10 @@ def engines(model: str) -> Iterator[dict[str, Engine]]:
     engs = {
         "ref": Engine("ref", model, logs, connector=None, cpu_bind="0"),
         "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0"),
-        "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail"),
+        # transfer_telemetry_in_response: D's answers carry its transfer record
+        # (tests/e2e/test_proxy_e2e.py::test_transfer_telemetry_through_proxy).
+        "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
+                    extra_config={"transfer_telemetry_in_response": True}),
     }
     with running(*engs.values()):
         yield engs

@@ -20,6 +20,7 @@ from tests.e2e.helpers import (
     prefill,
     token_prompt,
 )
+from vllm_pd_ext import telemetry
 from vllm_pd_ext.testing.engines import Engine, running
 
 pytestmark = pytest.mark.engine
@@ -125,6 +126,11 @@ def test_hostile_params_fail_their_request_only(p: Engine, d: Engine, ref: Engin
         assert f"kv_transfer_params.{field}" in d.log_text() or (
             f"`{field}" in d.log_text()), field
         assert d.alive()
+    # Each refused load is in D's per-request telemetry too, with its reason.
+    refused = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
+               if r is not None and r.outcome == "bad_params"]
+    assert len(refused) >= len(HOSTILE)
+    assert all("kv_transfer_params" in r.detail and r.bytes == 0 for r in refused[-len(HOSTILE):])
     assert "Exception in thread" not in d.log_text()
     _, want = ref.post("/v1/completions", body)
     before = d.metrics()

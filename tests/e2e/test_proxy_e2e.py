@@ -16,6 +16,7 @@ from tests.e2e.helpers import (
     stream_text,
     token_prompt,
 )
+from vllm_pd_ext import telemetry
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
 
@@ -108,3 +109,42 @@ def test_client_disconnect_aborts_the_decode_leg(d: Engine, proxy: Proxy, model:
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     # Aborted early, not run to completion.
     assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1500
+
+
+def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, model: str
+                                          ) -> None:
+    """--transfer-telemetry: the stream's finishing chunk carries the proxy's
+    leg timings and D's transfer record, whose bytes are the bytes D's
+    metrics say it read; D logs the same record as one JSON line; D's
+    engine addresses (its other kv_transfer_params) never reach the client."""
+    px = Proxy([p.url], [d.url], log_dir("proxy-telemetry"),
+               args=["--transfer-telemetry"]).start()
+    try:
+        px.wait_ready()
+        body = completion_body(model, token_prompt(300, seed=24), max_tokens=8)
+        _, want = ref.post("/v1/completions", body)
+        before = d.metrics()
+        _, events = stream_text(px.url + "/v1/completions", body)
+        after = d.metrics()
+    finally:
+        px.stop()
+    got = stream_output(events)
+    assert_same_as_reference(ref, got, want)
+    assert delta(before, after, EXTERNAL) == 300
+    tele = [e["pd_telemetry"] for e in events if isinstance(e, dict) and "pd_telemetry" in e]
+    assert len(tele) == 1, events
+    assert not any("kv_transfer_params" in e for e in events if isinstance(e, dict))
+    proxy_t, rec = tele[0]["proxy"], tele[0]["transfer"]
+    assert proxy_t["mode"] == "pull"
+    assert (0 <= proxy_t["prefill_sent_ms"] < proxy_t["prefill_done_ms"]
+            <= proxy_t["decode_sent_ms"] < proxy_t["decode_first_byte_ms"])
+    assert rec["outcome"] == "ok" and rec["mode"] == "pull"
+    assert rec["bytes"] == delta(before, after, KV_BYTES) > 0
+    assert rec["tokens"] == 300 and rec["blocks"] == 3 and rec["descriptors"] >= 1
+    assert rec["p_engine"] and rec["p_addr"].endswith(f":{p.side_channel_port}")
+    assert 0 < rec["lease_left_s"] <= 30
+    assert rec["read_ms"] > 0 and rec["pin_ms"] > 0 and rec["handshake_ms"] >= 0
+    assert rec["kv_ready_ms"] >= rec["read_ms"]
+    logged = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
+              if r is not None and r.request_id == rec["request_id"]]
+    assert [telemetry.to_dict(r) for r in logged] == [rec]
