@@ -115,7 +115,7 @@ class Forwarder:
         rid = sanitize_request_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
         ctx = RequestContext(rid, request.path, loop.time(), chat=chat)
         if self._telemetry:
-            ctx.marks = LegMarks(ctx.started)
+            ctx.marks = LegMarks(ctx.started, in_answer=self._config.transfer_telemetry)
         held = self._bodies.reservation()
         try:
             raw = await read_body(request, held, self._config.max_request_bytes)

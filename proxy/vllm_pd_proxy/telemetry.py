@@ -41,6 +41,9 @@ class LegMarks:
     """When each leg event happened, in ms since the proxy got the request."""
 
     started: float  # the event loop's clock at the request's arrival
+    #: --transfer-telemetry: the answer gets ``pd_telemetry`` (--otel alone:
+    #: only D's record is taken out of its params, for the spans).
+    in_answer: bool = True
     mode: str = "none"
     marks: dict[str, float] = field(default_factory=dict)
     #: D's transfer record, once seen in its answer.
@@ -67,9 +70,10 @@ def _rewrite(body: dict[str, Any], marks: LegMarks, request_id: str, keep_kv: bo
         if isinstance(transfer, dict):
             marks.transfer = transfer
         rest = params or None
-        if keep_kv and rest is not None:
+        if (keep_kv or not marks.in_answer) and rest is not None:
             body["kv_transfer_params"] = rest
-    body[FIELD] = marks.as_field(request_id)
+    if marks.in_answer:
+        body[FIELD] = marks.as_field(request_id)
     marks.done = True
     return rest
 
@@ -77,7 +81,9 @@ def _rewrite(body: dict[str, Any], marks: LegMarks, request_id: str, keep_kv: bo
 def annotate(payload: bytes, sse: bool, marks: LegMarks, request_id: str,
              keep_kv: bool = False) -> bytes:
     """Add ``pd_telemetry`` to a D answer's body, or to the finishing event
-    among complete SSE events; other bytes pass through unparsed."""
+    among complete SSE events; other bytes pass through unparsed. D's other
+    ``kv_transfer_params`` are dropped, unless kept for multi-turn
+    (``keep_kv``) or the answer gets no telemetry (``--otel`` alone)."""
     if marks.done:
         return payload
     if not sse:

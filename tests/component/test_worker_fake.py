@@ -194,6 +194,22 @@ def test_pull_copies_blocks_and_releases(make_pair, slab):
     assert pair.d_worker.get_kv_connector_stats() is None  # taken
     assert pair.d_worker.num_in_flight == 0
     assert pair.d_transport.live_handles == {}
+    # Telemetry: one record for the load, its phases in order of the state machine.
+    meta = pair.d_worker.build_worker_meta()
+    assert meta is not None and len(meta.records) == 1
+    rec = meta.records[0]
+    assert (rec.request_id, rec.remote_request_id, rec.mode, rec.outcome) == (
+        "d-req", spec.remote_request_id, "pull", "ok")
+    assert rec.bytes == stats.data["bytes_transferred"] and rec.descriptors == len(expected)
+    assert (rec.blocks, rec.tokens) == (len(spec.local_block_ids), spec.num_tokens)
+    assert rec.p_engine == spec.remote_engine_id
+    assert rec.p_addr == f"{spec.remote_host}:{spec.remote_port}"
+    assert rec.handshake_ms is not None and rec.pin_ms is not None and rec.read_ms is not None
+    assert min(rec.handshake_ms, rec.pin_ms, rec.read_ms) >= 0
+    assert rec.handshake_ms + rec.pin_ms + rec.read_ms < 2000
+    # The pair's lease is 30 s unless set: the READ started with nearly all of it left.
+    assert rec.lease_left_s is not None and 25 < rec.lease_left_s <= 30
+    assert pair.d_worker.build_worker_meta() is None  # taken
 
 
 def test_handshake_cached_across_requests(make_pair):
@@ -234,6 +250,10 @@ def test_lease_unknown_fails(make_pair):
     assert pair.leases.num_late_messages == 1
     stats = pair.d_worker.get_kv_connector_stats()
     assert stats.data["num_failures"] == 1 and stats.data["num_transfers"] == 0
+    meta = pair.d_worker.build_worker_meta()
+    assert meta is not None and [(r.outcome, r.bytes, r.read_ms) for r in meta.records] == [
+        ("lease_lost", 0, None)]
+    assert "unknown to P" in meta.records[0].detail and meta.records[0].pin_ms is not None
 
 
 def test_lease_expired_fails(make_pair):
@@ -402,6 +422,10 @@ def test_bad_params_fail_immediately(make_pair):
     sending, recving, failed = pair.d_worker.get_transfer_results()
     assert recving == failed == {"bad"} and sending == set()
     assert pair.d_worker.get_transfer_results() == (set(), set(), set())
+    meta = pair.d_worker.build_worker_meta()
+    assert meta is not None
+    assert [(r.request_id, r.outcome, r.detail) for r in meta.records] == [
+        ("bad", "bad_params", "remote_port: x")]
 
 
 def test_worker_never_reports_finished_sending(make_pair):
