@@ -78,6 +78,10 @@ class Engine:
     #: Run inside this network namespace (testing/netns.py), bound to its
     #: address, with UCX over TCP on its veth; None: 127.0.0.1 here.
     host: Host | None = None
+    #: Confine every process of the engine (API server, engine core, worker)
+    #: to ``cpu_bind`` with taskset, as a cpuset would; else only the
+    #: worker's OpenMP threads are bound (VLLM_CPU_OMP_THREADS_BIND).
+    taskset: bool = False
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +124,8 @@ class Engine:
                 kv["kv_load_failure_policy"] = self.failure_policy
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         cmd += self.extra_args
+        if self.taskset and self.cpu_bind is not None:
+            cmd = ["taskset", "-c", self.cpu_bind, *cmd]
         return self.host.wrap(cmd) if self.host is not None else cmd
 
     def start(self, append: bool = False) -> Engine:

@@ -1,0 +1,76 @@
+"""slo/breakdown.py: the TTFT split from the proxy's pd_telemetry."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_pd_ext.slo.breakdown import summarize_breakdowns, ttft_breakdown
+from vllm_pd_ext.slo.metrics import RequestResult
+
+
+def telemetry(mode: str = "pull", *, sent: float = 0.4, done: float = 35.2,
+              decode_sent: float = 35.6, kv_ready: float = 9.1) -> dict:
+    return {"proxy": {"mode": mode, "prefill_sent_ms": sent, "prefill_done_ms": done,
+                      "decode_sent_ms": decode_sent, "decode_first_byte_ms": 52.0},
+            "transfer": {"kv_ready_ms": kv_ready, "bytes": 123}}
+
+
+def test_pull_split_by_hand():
+    b = ttft_breakdown(60.0, telemetry())
+    assert b == pytest.approx({"front_ms": 0.4, "prefill_ms": 34.8,
+                               "handoff_ms": 9.5,  # 35.6 + 9.1 - 35.2
+                               "first_step_ms": 15.3})  # 60 - 35.2 - 9.5
+
+
+def test_push_handoff_is_what_remains_after_p_answered():
+    # D's leg left with P's at 0.5 ms; its KV was ready at 0.5 + 40 = 40.5 ms: 5.3 ms after P
+    b = ttft_breakdown(50.0, telemetry("push", decode_sent=0.5, kv_ready=40.0))
+    assert b == pytest.approx({"front_ms": 0.4, "prefill_ms": 34.8, "handoff_ms": 5.3,
+                               "first_step_ms": 9.5})
+    # KV ready before P answered: no handoff left
+    b = ttft_breakdown(50.0, telemetry("push", decode_sent=0.5, kv_ready=20.0))
+    assert b is not None and b["handoff_ms"] == 0.0
+    assert b["first_step_ms"] == pytest.approx(14.8)
+
+
+def test_first_step_clamped_at_zero():
+    b = ttft_breakdown(40.0, telemetry())  # 40 - 35.2 - 9.5 < 0
+    assert b is not None and b["first_step_ms"] == 0.0
+
+
+@pytest.mark.parametrize("tele", [
+    None, {}, telemetry("local"), {"proxy": telemetry()["proxy"]},
+    {"proxy": {**telemetry()["proxy"], "prefill_done_ms": None},
+     "transfer": {"kv_ready_ms": 1.0}},
+    {"proxy": telemetry()["proxy"], "transfer": {"kv_ready_ms": True}},
+    {"proxy": "pull", "transfer": {}},
+])
+def test_none_unless_pull_or_push_with_every_key(tele):
+    assert ttft_breakdown(60.0, tele) is None
+
+
+def _result(i: int, ttft_ms: float, tele: dict | None, *, ok: bool = True,
+            warmup: bool = False) -> RequestResult:
+    return RequestResult(index=i, scheduled_s=0.0, sent_s=0.0, prompt_tokens=1,
+                         output_tokens=2, ok=ok, ttft_s=ttft_ms / 1000, e2e_s=1.0,
+                         telemetry=tele, warmup=warmup)
+
+
+def test_summarize_breakdowns_medians_p99_and_exclusions():
+    results = [_result(i, 50.0 + 10 * i, telemetry(done=35.2)) for i in range(5)]
+    results += [_result(10, 5000.0, telemetry(), warmup=True),
+                _result(11, 5000.0, telemetry(), ok=False),
+                _result(12, 70.0, None), _result(13, 70.0, telemetry("local"))]
+    s = summarize_breakdowns(results)
+    assert s["count"] == 5
+    # first steps: 50,60,70,80,90 - 35.2 - 9.5 = 5.3, 15.3, 25.3, 35.3, 45.3
+    assert s["first_step_ms"]["p50"] == pytest.approx(25.3)
+    assert s["first_step_ms"]["p99"] == pytest.approx(35.3 + 0.96 * 10)
+    assert s["prefill_ms"] == pytest.approx({"p50": 34.8, "p99": 34.8})
+    assert s["handoff_ms"]["p50"] == pytest.approx(9.5)
+    assert s["front_ms"]["p50"] == pytest.approx(0.4)
+    empty = summarize_breakdowns([])
+    assert empty == {"count": 0, "front_ms": {"p50": None, "p99": None},
+                     "prefill_ms": {"p50": None, "p99": None},
+                     "handoff_ms": {"p50": None, "p99": None},
+                     "first_step_ms": {"p50": None, "p99": None}}

@@ -1,0 +1,76 @@
+"""TTFT of a disaggregated request, split into where the time went.
+
+Pure. The proxy, with its telemetry flag on, ends the stream with a chunk
+carrying ``pd_telemetry`` (kept as ``RequestResult.telemetry``), in ms:
+
+    {"proxy": {"mode": "pull"|"push"|"local", "prefill_sent_ms", "prefill_done_ms",
+               "decode_sent_ms", "decode_first_byte_ms"},   # from the proxy's receipt
+     "transfer": {"kv_ready_ms", ...}}                       # D: request arrival -> KV loaded
+
+The split (all ms):
+
+    front       = prefill_sent                        proxy's own work before P's leg
+    prefill     = prefill_done - prefill_sent         P's queue and compute
+    handoff     = max(0, decode_sent + kv_ready - prefill_done)
+                                                      P answered -> D's KV ready; in push
+                                                      mode D's leg leaves with P's, so
+                                                      this is what remains after P answered
+    first_step  = max(0, ttft - prefill_done - handoff)
+                                                      D's first step and the way back
+
+The client's TTFT and the proxy's times have different origins (the client
+starts earlier by the client-to-proxy hop), and clocks have finite
+granularity, so ``first_step`` can come out slightly negative: it is clamped
+at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm_pd_ext.slo.metrics import RequestResult, percentile
+
+COMPONENTS = ("front_ms", "prefill_ms", "handoff_ms", "first_step_ms")
+
+
+def _number(section: Mapping[str, Any], key: str) -> float | None:
+    value = section.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def ttft_breakdown(ttft_ms: float, telemetry: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """The split above; None unless the mode is pull or push and the
+    needed keys are numbers."""
+    if not isinstance(telemetry, Mapping):
+        return None
+    proxy, transfer = telemetry.get("proxy"), telemetry.get("transfer")
+    if not isinstance(proxy, Mapping) or not isinstance(transfer, Mapping):
+        return None
+    if proxy.get("mode") not in ("pull", "push"):
+        return None
+    sent = _number(proxy, "prefill_sent_ms")
+    done = _number(proxy, "prefill_done_ms")
+    decode_sent = _number(proxy, "decode_sent_ms")
+    kv_ready = _number(transfer, "kv_ready_ms")
+    if sent is None or done is None or decode_sent is None or kv_ready is None:
+        return None
+    handoff = max(0.0, decode_sent + kv_ready - done)
+    return {"front_ms": sent, "prefill_ms": done - sent, "handoff_ms": handoff,
+            "first_step_ms": max(0.0, ttft_ms - done - handoff)}
+
+
+def summarize_breakdowns(results: Iterable[RequestResult]) -> dict[str, Any]:
+    """``{"count": n, "<component>_ms": {"p50": ..., "p99": ...}, ...}`` over
+    the successful, non-warm-up results that have a breakdown (None values
+    when there is none)."""
+    rows = [b for r in results
+            if not r.warmup and r.ok and r.ttft_s is not None
+            and (b := ttft_breakdown(r.ttft_s * 1000, r.telemetry)) is not None]
+    out: dict[str, Any] = {"count": len(rows)}
+    for name in COMPONENTS:
+        xs = [row[name] for row in rows]
+        out[name] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+    return out

@@ -1,0 +1,317 @@
+"""``vllm-pd-bench``: is disaggregation worth it here? An equal-budget SLO benchmark.
+
+    # both deployments on this host's cores 0 and 1, same trace, then a verdict
+    vllm-pd-bench compare --model .models/bench --rates 0.5,1,2 --prompt-tokens 300 \\
+        --slo ttft:2000,tpot:100,itl:250 --out-dir .runs/slo/short
+    # one deployment you already run (any OpenAI-compatible URL), same flags
+    vllm-pd-bench run --url http://127.0.0.1:8000 --model M --name disaggregated --out pd.json
+    vllm-pd-bench verdict agg.json pd.json
+
+For every offered rate: an open-loop, seeded trace (``trace.py``; warm-up
+requests excluded), streamed completions (``client.py``), and the summary
+(``metrics.py``: ``vllm bench serve`` keys, joint SLO attainment over a
+declared denominator, goodput, the generator's own dispatch delay, the queue
+trend, and, for deployments this command started, the engines' own waiting
+queue). ``verdict.py`` turns two sweeps into SLO-compliant capacities and
+says "disaggregation justified / not justified by this evidence", with the
+numbers. Disaggregated requests also get their TTFT decomposed
+(``breakdown.py``) from the proxy's ``pd_telemetry``. Writes one JSON file
+and, with matplotlib installed, PNG plots (``plots.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_pd_ext.slo.client import run_point
+from vllm_pd_ext.slo.metrics import Gates, parse_slo, point_passes, summarize
+from vllm_pd_ext.slo.trace import make_trace
+
+_WAITING = re.compile(r"^vllm:num_requests_waiting\{[^}]*\}\s+(\S+)", re.M)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-pd-bench",
+                                description=(__doc__ or "").split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    compare = sub.add_parser("compare", help="start both deployments here, sweep, verdict")
+    run = sub.add_parser("run", help="sweep one running deployment (its URLs)")
+    for sp in (compare, run):
+        _load_args(sp)
+    compare.add_argument("--model", required=True, help="model directory (served by its path)")
+    compare.add_argument("--cores", default="0,1",
+                         help="the two cores: aggregated = one engine on each; "
+                         "disaggregated = P on the first, D on the second")
+    compare.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
+    compare.add_argument("--max-model-len", type=int, default=4096)
+    compare.add_argument("--kv-bytes", type=int, default=1 << 30,
+                         help="KV-cache bytes per engine (both deployments)")
+    compare.add_argument("--out-dir", default=None,
+                         help="result.json, plots and engine logs (default .runs/slo/<time>)")
+    compare.add_argument("--only", choices=("aggregated", "disaggregated"), default=None,
+                         help="measure one deployment only (no verdict)")
+    run.add_argument("--url", action="append", required=True,
+                     help="where to send requests; repeat for several engines "
+                     "(least requests in flight first)")
+    run.add_argument("--model", required=True, help="the served model name")
+    run.add_argument("--name", default="deployment", help="label in the result")
+    run.add_argument("--metrics-url", action="append", default=[],
+                     help="engines whose /metrics give the waiting queue (optional)")
+    run.add_argument("--out", required=True, help="the result JSON file")
+    v = sub.add_parser("verdict", help="the verdict from two 'run' results")
+    v.add_argument("baseline", help="the aggregated deployment's JSON")
+    v.add_argument("candidate", help="the disaggregated deployment's JSON")
+    v.add_argument("--plots", default=None, help="directory for the PNG plots")
+    return p
+
+
+def _load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load (the same trace for every deployment)")
+    g.add_argument("--rates", default="0.5,1,2", help="offered request rates per second")
+    g.add_argument("--requests", type=int, default=40, help="measured requests per rate")
+    g.add_argument("--warmup", type=int, default=4, help="warm-up requests per rate, excluded")
+    g.add_argument("--prompt-tokens", type=int, default=300)
+    g.add_argument("--prompt-jitter", type=float, default=0.1,
+                   help="prompt lengths uniform in tokens x (1 +- jitter)")
+    g.add_argument("--output-tokens", type=int, default=32)
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrivals: 1 = Poisson, < 1 burstier")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
+    g.add_argument("--no-stop-on-overload", action="store_true",
+                   help="also run the rates above one whose queue grew without bound")
+    g.add_argument("--no-progress", action="store_true")
+    s = p.add_argument_group("SLO and gates")
+    s.add_argument("--slo", default="ttft:2000,tpot:100,itl:250",
+                   help="cutoffs in ms a request must all meet: ttft, tpot, itl (max per "
+                   "request), e2el")
+    s.add_argument("--attainment", type=float, default=0.95, help="joint attainment gate")
+    s.add_argument("--max-error-rate", type=float, default=0.01)
+    s.add_argument("--denominator", choices=("offered", "completed"), default="offered",
+                   help="attainment over all offered requests after warm-up (errors and "
+                   "timeouts included) or over the completed ones")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = sorted({float(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise SystemExit(f"vllm-pd-bench: error: --rates {text!r}: not numbers") from None
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise SystemExit(f"vllm-pd-bench: error: --rates {text!r}: expected rates > 0")
+    return rates
+
+
+class QueueSampler:
+    """Samples the engines' ``vllm:num_requests_waiting`` (summed) every
+    ``every_s`` on a thread while a rate point runs: the server's own view
+    of whether its queue keeps growing."""
+
+    def __init__(self, urls: list[str], every_s: float = 0.5) -> None:
+        self.urls = urls
+        self.every_s = every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slo-bench-queue", daemon=True)
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> QueueSampler:
+        if self.urls:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            total = 0.0
+            for url in self.urls:
+                try:
+                    with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+                        text = r.read().decode()
+                except OSError:
+                    continue
+                total += sum(float(v) for v in _WAITING.findall(text))
+            self.samples.append((round(time.monotonic() - self._t0, 2), total))
+
+    def summary(self) -> dict[str, Any]:
+        waits = [w for _, w in self.samples]
+        if not waits:
+            return {"samples": 0}
+        third = max(1, len(waits) // 3)
+        return {"samples": len(waits), "waiting_max": max(waits),
+                "waiting_first_third_mean": sum(waits[:third]) / third,
+                "waiting_last_third_mean": sum(waits[-third:]) / third}
+
+
+def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
+          metrics_urls: list[str]) -> dict[str, Any]:
+    """One deployment over every rate; stops above a rate whose queue grew
+    without bound (its higher rates can only be worse) unless told not to."""
+    slo = parse_slo(args.slo)
+    gates = _gates(args)
+    points: list[dict[str, Any]] = []
+    for i, rate in enumerate(_rates(args.rates)):
+        trace = make_trace(rate=rate, num_requests=args.requests, warmup=args.warmup,
+                           prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                           seed=args.seed, point=i, burstiness=args.burstiness,
+                           prompt_jitter=args.prompt_jitter)
+        with QueueSampler(metrics_urls) as sampler:
+            results, duration = asyncio.run(run_point(
+                urls, model, trace, timeout_s=args.timeout, progress=not args.no_progress))
+        summary = summarize(results, offered_rate=rate, slo=slo, duration_s=duration,
+                            denominator=args.denominator)
+        summary["server_queue"] = sampler.summary()
+        ok, why = point_passes(summary, gates)
+        summary["passes"], summary["fails_because"] = ok, why
+        point = {"summary": summary, "breakdown": _breakdown(results),
+                 "results": [_as_dict(r) for r in results]}
+        points.append(point)
+        say(f"{name} @ {rate:g} req/s: attainment {summary['slo_attainment']:.3f}, errors "
+            f"{summary['error_rate']:.3f}, p99 TTFT {_ms(summary.get('p99_ttft_ms'))}, p99 ITL "
+            f"{_ms(summary.get('p99_itl_ms'))}, queue "
+            f"{'stable' if summary['queue']['stable'] else 'GROWING'}: "
+            f"{'pass' if ok else 'FAIL (' + '; '.join(why) + ')'}")
+        if not summary["queue"]["stable"] and not args.no_stop_on_overload:
+            say(f"{name}: queue grew without bound at {rate:g} req/s; higher rates not run")
+            break
+    return {"name": name, "points": points, "gates": gates.__dict__, "slo": slo.__dict__}
+
+
+def _gates(args: argparse.Namespace) -> Gates:
+    return Gates(attainment_min=args.attainment, error_rate_max=args.max_error_rate)
+
+
+def _breakdown(results: list[Any]) -> dict[str, Any] | None:
+    from vllm_pd_ext.slo.breakdown import summarize_breakdowns
+
+    out: dict[str, Any] | None = summarize_breakdowns(results)
+    return out
+
+
+def _as_dict(r: Any) -> dict[str, Any]:
+    import msgspec
+
+    out: dict[str, Any] = msgspec.to_builtins(r)
+    return out
+
+
+def _ms(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.0f} ms"
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_pd_ext.slo.deploy import Deployment
+
+    out_dir = Path(args.out_dir or f".runs/slo/{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cores = tuple(c.strip() for c in args.cores.split(","))
+    kinds = [args.only] if args.only else ["aggregated", "disaggregated"]
+    result: dict[str, Any] = {"command": "compare", "config": _config(args),
+                              "deployments": {}}
+    for kind in kinds:
+        dep = Deployment(kind, args.model, out_dir / "logs", cores=cores,
+                         transfer_mode=args.transfer_mode, max_model_len=args.max_model_len,
+                         kv_bytes=args.kv_bytes)
+        where = ", ".join(f"{e.name} on core {e.cpu_bind}" for e in dep.engines)
+        say(f"starting {dep.name} ({where})")
+        dep.start()
+        try:
+            swept = sweep(dep.name, dep.urls, args.model, args, dep.engine_urls)
+        finally:
+            dep.stop()
+        swept["deployment"] = dep.describe()
+        result["deployments"][kind] = swept
+        _write(out_dir / "result.json", result)
+    if len(kinds) == 2:
+        _conclude(result, result["deployments"]["aggregated"],
+                  result["deployments"]["disaggregated"], out_dir)
+    _write(out_dir / "result.json", result)
+    say(f"wrote {out_dir / 'result.json'}")
+    return result
+
+
+def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
+              plot_dir: Path | None) -> None:
+    from vllm_pd_ext.slo.verdict import render_table, verdict
+
+    gates = Gates(**base["gates"])
+    strip = [{"name": d["name"], "points": [p["summary"] for p in d["points"]]}
+             for d in (base, cand)]
+    v = verdict(strip[0], strip[1], gates=gates, baseline_name=base["name"],
+                candidate_name=cand["name"])
+    result["verdict"] = v
+    print()
+    print(render_table(strip[0], strip[1]))
+    for d in (base, cand):
+        for p in d["points"]:
+            if p.get("breakdown"):
+                b = p["breakdown"]
+                print(f"TTFT breakdown, {d['name']} @ {p['summary']['offered_rate']:g} req/s "
+                      f"(medians of {b.get('count')}): " + ", ".join(
+                          f"{k} {v['p50']:.1f} ms" for k, v in b.items()
+                          if isinstance(v, dict) and v.get("p50") is not None))
+    print()
+    print(f"VERDICT: {v['verdict']}")
+    for line in v["evidence"]:
+        print(f"  - {line}")
+    if plot_dir is not None:
+        from vllm_pd_ext.slo.plots import plot_all
+
+        paths = plot_all(plot_dir, base, cand)
+        result["plots"] = [str(p) for p in paths]
+        if paths:
+            say("plots: " + ", ".join(str(p) for p in paths))
+        else:
+            say("no plots: pip install matplotlib")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("cmd",)}
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "compare":
+            compare(args)
+        elif args.cmd == "run":
+            result = {"command": "run", "config": _config(args),
+                      "deployments": {args.name: sweep(args.name, args.url, args.model, args,
+                                                       args.metrics_url)}}
+            _write(Path(args.out), result)
+            say(f"wrote {args.out}")
+        else:
+            runs = [json.loads(Path(f).read_text()) for f in (args.baseline, args.candidate)]
+            deps = [next(iter(r["deployments"].values())) for r in runs]
+            out: dict[str, Any] = {"command": "verdict"}
+            _conclude(out, deps[0], deps[1], Path(args.plots) if args.plots else None)
+    except ValueError as exc:
+        print(f"vllm-pd-bench: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
