@@ -121,7 +121,7 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
                args=["--transfer-telemetry"]).start()
     try:
         px.wait_ready()
-        body = completion_body(model, token_prompt(300, seed=24), max_tokens=8)
+        body = completion_body(model, token_prompt(300, seed=25), max_tokens=8)
         _, want = ref.post("/v1/completions", body)
         before = d.metrics()
         _, events = stream_text(px.url + "/v1/completions", body)
