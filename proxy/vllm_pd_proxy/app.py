@@ -30,7 +30,7 @@ from .config import ProxyConfig
 from .forward import Forwarder
 from .health import HealthMonitor
 from .metrics import CONTENT_TYPE, Metrics
-from .prompt import PrefixLRU
+from .prompt import PrefixChunks
 from .routing import PolicyFactory, make_policy
 
 CONFIG = web.AppKey("config", ProxyConfig)
@@ -50,9 +50,9 @@ def create_app(
     config = config.validated()
     prefill = Pool("prefill", config.prefill, make_policy(config.routing, policies))
     decode = Pool("decode", config.decode, make_policy(config.routing, policies))
-    if config.prefix_aware_len:
+    if config.local_prefill_threshold:
         for backend in decode.backends:
-            backend.prefixes = PrefixLRU(config.prefix_cache_size)
+            backend.prefixes = PrefixChunks(config.prefix_cache_size)
     app = web.Application(client_max_size=config.max_request_bytes)
     app[CONFIG] = config
     app[PREFILL] = prefill

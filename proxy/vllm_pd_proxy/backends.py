@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .prompt import PrefixLRU
+from .prompt import PrefixChunks
 
 if TYPE_CHECKING:
     from .routing import RoutingPolicy
@@ -72,8 +72,8 @@ class Backend:
     identity: PrefillIdentity | None = None
     identity_error: str | None = None
     identity_error_at: float | None = None
-    # Decode role with --prefix-aware-len only.
-    prefixes: PrefixLRU | None = None
+    # Decode role with --local-prefill-threshold only: what it probably caches.
+    prefixes: PrefixChunks | None = None
     # The last health probe timed out (slow, not known dead).
     slow: bool = False
 

@@ -75,24 +75,40 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=_D.local_prefill_threshold,
         metavar="TOKENS",
-        help="prompts estimated below this many tokens are prefilled by the "
-        "decode engine itself (no P leg); 0 disables",
+        help="requests whose uncached prompt tokens (prompt minus what the chosen "
+        "decode engine probably caches) are below this are prefilled by the "
+        "decode engine itself (no P leg); 0 disables (docs/slo.md derives it)",
+    )
+    g.add_argument(
+        "--prefix-chunk-tokens",
+        type=int,
+        default=_D.prefix_chunk_tokens,
+        metavar="TOKENS",
+        help="granularity of the proxy's memory of each decode engine's prefix "
+        "cache (text counts 4 chars per token)",
+    )
+    g.add_argument(
+        "--prefix-cache-size",
+        type=int,
+        default=_D.prefix_cache_size,
+        metavar="CHUNKS",
+        help="prompt chunks remembered per decode engine (LRU)",
+    )
+    g.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=_D.max_prefill_queue,
+        metavar="N",
+        help="when every prefill engine has N P legs in flight, prefill locally "
+        "whatever the length; 0 disables (needs --local-prefill-threshold)",
     )
     g.add_argument(
         "--prefix-aware-len",
         type=int,
         default=_D.prefix_aware_len,
         metavar="N",
-        help="remember the first N chars (text) / token ids of prompts per decode "
-        "engine; a repeat prefix counts as cached when applying the "
-        "threshold; 0 disables (needs --local-prefill-threshold)",
-    )
-    g.add_argument(
-        "--prefix-cache-size",
-        type=int,
-        default=_D.prefix_cache_size,
-        metavar="ENTRIES",
-        help="prefixes remembered per decode engine (LRU)",
+        help="superseded (uncached tokens are always counted when a threshold is "
+        "set); accepted and ignored, with a warning",
     )
     g = p.add_argument_group("multi-turn (bidirectional KV, docs/multi-turn.md)")
     g.add_argument(
@@ -313,7 +329,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         routing=args.routing,
         local_prefill_threshold=args.local_prefill_threshold,
         prefix_aware_len=args.prefix_aware_len,
+        prefix_chunk_tokens=args.prefix_chunk_tokens,
         prefix_cache_size=args.prefix_cache_size,
+        max_prefill_queue=args.max_prefill_queue,
         prefill_retries=args.prefill_retries,
         max_inflight_per_prefill=args.max_inflight_per_prefill,
         queue_timeout=args.queue_timeout,
@@ -384,6 +402,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             "(docs/security.md)", DEFAULT_SECRET_ENV)
     else:
         logger.info("legs signed (%s)", config.auth.describe())
+    if config.prefix_aware_len:
+        logger.warning(
+            "--prefix-aware-len is superseded and ignored: with --local-prefill-threshold "
+            "the proxy counts each request's uncached prompt tokens in chunks of "
+            "--prefix-chunk-tokens (docs/proxy.md)")
     logger.info(
         "vllm-pd-proxy %s on http://%s:%d mode=%s routing=%s "
         "max_inflight_per_prefill=%d prefill=%s decode=%s",

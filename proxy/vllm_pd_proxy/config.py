@@ -50,13 +50,20 @@ class ProxyConfig:
     port: int = 8000
     transfer_mode: TransferMode = "pull"
     routing: str = "least-loaded"
-    # Conditional disaggregation: prompts estimated below this many tokens are
-    # prefilled on the decode engine itself. 0 disables it.
+    # Conditional disaggregation: requests whose *uncached* prompt tokens (the
+    # prompt minus what the chosen decode engine probably caches) are below
+    # this are prefilled on the decode engine itself. 0 disables it.
     local_prefill_threshold: int = 0
-    # Prefix-aware variant: length (chars of text / token ids) of the prompt
-    # prefix remembered per decode engine; 0 disables it.
+    # The proxy's memory of each decode engine's prefix cache: chunks of this
+    # many tokens, at most prefix_cache_size chunks per engine (LRU).
+    prefix_chunk_tokens: int = 32
+    prefix_cache_size: int = 65536
+    # Load term: when every prefill engine has this many P legs in flight,
+    # prefill locally whatever the length (Dynamo's max_prefill_queue_size).
+    # 0 disables it.
+    max_prefill_queue: int = 0
+    # Superseded by the chunk memory; accepted for old command lines.
     prefix_aware_len: int = 0
-    prefix_cache_size: int = 1024
     # Retries of the prefill leg on another prefill engine (502/503/504 or a
     # failed connect, before anything went to D or the client).
     prefill_retries: int = 1
@@ -121,10 +128,16 @@ class ProxyConfig:
             raise ConfigError(f"--transfer-mode must be one of {TRANSFER_MODES}")
         if self.local_prefill_threshold < 0:
             raise ConfigError("--local-prefill-threshold must be >= 0")
-        if self.prefix_aware_len < 0 or self.prefix_cache_size < 1:
-            raise ConfigError("--prefix-aware-len must be >= 0 and --prefix-cache-size >= 1")
-        if self.prefix_aware_len and not self.local_prefill_threshold:
-            raise ConfigError("--prefix-aware-len needs --local-prefill-threshold > 0")
+        if self.prefix_aware_len < 0:
+            raise ConfigError("--prefix-aware-len must be >= 0")
+        if not 1 <= self.prefix_chunk_tokens <= 65536 or self.prefix_cache_size < 1:
+            raise ConfigError(
+                "--prefix-chunk-tokens must be in [1, 65536] and --prefix-cache-size >= 1"
+            )
+        if self.max_prefill_queue < 0:
+            raise ConfigError("--max-prefill-queue must be >= 0")
+        if self.max_prefill_queue and not self.local_prefill_threshold:
+            raise ConfigError("--max-prefill-queue needs --local-prefill-threshold > 0")
         if self.prefill_retries < 0:
             raise ConfigError("--prefill-retries must be >= 0")
         if self.max_inflight_per_prefill < 0 or self.max_queued < 0:

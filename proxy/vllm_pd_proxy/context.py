@@ -60,6 +60,9 @@ class RequestContext:
     chat: bool = False
     stream: bool = False
     tokens: int = 0
+    # With --local-prefill-threshold: tokens minus what the chosen D probably
+    # caches (None: not estimated).
+    uncached_tokens: int | None = None
     mode: str = "none"
     prefill: Backend | None = None
     decode: Backend | None = None
@@ -93,7 +96,8 @@ class RequestContext:
         if access_log.isEnabledFor(logging.INFO):
             access_log.info(
                 "request_id=%s endpoint=%s mode=%s prefill=%s decode=%s status=%d outcome=%s "
-                "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d retries=%d queue_ms=%.1f%s",
+                "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d uncached_est=%s retries=%d "
+                "queue_ms=%.1f%s",
                 self.request_id,
                 self.endpoint,
                 self.mode,
@@ -104,6 +108,7 @@ class RequestContext:
                 "-" if self.ttft is None else f"{self.ttft * 1000:.1f}",
                 e2e * 1000,
                 self.tokens,
+                "-" if self.uncached_tokens is None else self.uncached_tokens,
                 self.retries,
                 self.queued * 1000,
                 f" error={log_safe(self.error)}" if self.error else "",

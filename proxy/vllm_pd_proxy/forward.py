@@ -37,7 +37,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Hashable
 from typing import Any
 
 import aiohttp
@@ -62,7 +61,7 @@ from .legs import (
     push_prefill_params,
 )
 from .metrics import Metrics
-from .prompt import estimate_tokens, prefix_key
+from .prompt import chunk_keys, estimate_tokens
 from .relay import (
     OpenedDecode,
     complete_response,
@@ -217,7 +216,7 @@ class Forwarder:
         headers: dict[str, str],
         local: bool,
         decode: Backend | None,
-        prefix: Hashable | None,
+        prefix: tuple[int, ...] | None,
         turn: Turn | None,
     ) -> web.StreamResponse:
         if local:
@@ -292,25 +291,34 @@ class Forwarder:
 
     def _decide(
         self, ctx: RequestContext, body: dict[str, Any]
-    ) -> tuple[bool, str, Backend | None, Hashable | None]:
-        """(local?, reason, preselected D, prefix key to remember on that D)."""
-        threshold = self._config.local_prefill_threshold
+    ) -> tuple[bool, str, Backend | None, tuple[int, ...] | None]:
+        """(local?, reason, preselected D, chunk keys to remember on that D).
+
+        Decides on the *uncached* prompt tokens: the estimate minus what the
+        chosen D probably holds in its prefix cache (the chunks of prompts the
+        proxy sent it, :class:`PrefixChunks`), as llm-d's decider and Dynamo's
+        ``eff_isl`` do. D is therefore chosen first, by load.
+        """
+        config = self._config
+        threshold = config.local_prefill_threshold
         if not threshold:
             return False, "always_remote", None, None
-        if ctx.tokens < threshold:
-            return True, "short_prompt", None, None
-        if not self._config.prefix_aware_len:
-            return False, "long_prompt", None, None
-        # Prefix-aware: the D must be chosen first, since the decision depends
-        # on what this particular D has served (and so has in its prefix cache).
         decode = self._pick_decode(ctx)
-        found = prefix_key(body, ctx.chat, self._config.prefix_aware_len)
-        if found is None or decode.prefixes is None:
-            return False, "long_prompt", decode, None
-        key, prefix_tokens = found
-        if key in decode.prefixes and ctx.tokens - prefix_tokens < threshold:
-            return True, "prefix_hit", decode, key
-        return False, "long_prompt", decode, key
+        keys = chunk_keys(body, ctx.chat, config.prefix_chunk_tokens)
+        cached = 0
+        if decode.prefixes is not None and keys:
+            cached = decode.prefixes.cached_chunks(keys) * config.prefix_chunk_tokens
+        ctx.uncached_tokens = max(0, ctx.tokens - cached)
+        if ctx.uncached_tokens < threshold:
+            return True, "prefix_hit" if ctx.tokens >= threshold else "short_prompt", decode, keys
+        if config.max_prefill_queue and self._prefill_saturated(config.max_prefill_queue):
+            return True, "prefill_busy", decode, keys
+        return False, "long_prompt", decode, keys
+
+    def _prefill_saturated(self, limit: int) -> bool:
+        """Every usable P already has ``limit`` P legs in flight."""
+        usable = self._prefill.usable()
+        return bool(usable) and min(b.in_flight for b in usable) >= limit
 
     def _pick_decode(self, ctx: RequestContext, exclude: list[Backend] | None = None) -> Backend:
         decode = self._decode.pick(ctx.tokens, exclude or ())
@@ -356,7 +364,7 @@ class Forwarder:
         body: dict[str, Any],
         headers: dict[str, str],
         decode: Backend | None,
-        prefix: Hashable | None,
+        prefix: tuple[int, ...] | None,
         turn: Turn | None = None,
     ) -> web.StreamResponse:
         leg = self._with_readback(pull_prefill_params(), turn)
@@ -430,7 +438,7 @@ class Forwarder:
         body: dict[str, Any],
         headers: dict[str, str],
         decode: Backend | None,
-        prefix: Hashable | None,
+        prefix: tuple[int, ...] | None,
         turn: Turn | None = None,
     ) -> web.StreamResponse:
         if decode is None and not self._decode.any_routable():
@@ -468,7 +476,7 @@ class Forwarder:
         body: dict[str, Any],
         headers: dict[str, str],
         decode: Backend | None,
-        prefix: Hashable | None,
+        prefix: tuple[int, ...] | None,
         slot: PrefillSlot,
         identity: PrefillIdentity,
         tried_d: list[Backend],
@@ -637,7 +645,7 @@ class Forwarder:
         decode: Backend | None,
         body: bytes,
         headers: dict[str, str],
-        prefix: Hashable | None,
+        prefix: tuple[int, ...] | None,
         guard: asyncio.Future[Any] | None = None,
         exclude: list[Backend] | None = None,
     ) -> web.StreamResponse:
@@ -671,7 +679,9 @@ class Forwarder:
                 )
             ctx.mark("decode_first_byte_ms")
             if prefix is not None and decode.prefixes is not None:
-                decode.prefixes.touch(prefix)
+                # D prefills (or receives) this prompt now: from here on its
+                # prefix cache holds the prompt's whole blocks.
+                decode.prefixes.add(prefix)
             if not opened.sse:
                 ctx.ttft = loop.time() - ctx.started
                 return complete_response(ctx, opened)

@@ -4,15 +4,15 @@ Role: the proxy never tokenizes (that would need the model's tokenizer and
 cost more than the forwarding itself). It estimates prompt tokens as
 ``len(text) / 4`` for text and ``len(ids)`` for token-id prompts, which is
 enough to compare load between engines and to apply the local-prefill
-threshold. Stateless functions plus :class:`PrefixLRU`, a small per-decode
-engine memory of recently served prompt prefixes (prefix-aware conditional
-disaggregation). Called once per request on the event loop.
+threshold. Stateless functions plus :class:`PrefixChunks`, a bounded
+per-decode-engine memory of the prompt chunks it served, from which the
+proxy estimates a prompt's uncached tokens. Called once per request on the
+event loop.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
 from typing import Any
 
 # Average characters per token for English-like text with BPE tokenizers; the
@@ -66,42 +66,62 @@ def estimate_tokens(body: dict[str, Any], chat: bool) -> int:
     return len(flat)
 
 
-def prefix_key(body: dict[str, Any], chat: bool, length: int) -> tuple[Hashable, int] | None:
-    """``(key, estimated tokens of the prefix)`` for the first ``length`` chars/ids.
+def chunk_keys(body: dict[str, Any], chat: bool, chunk_tokens: int) -> tuple[int, ...]:
+    """Chain hashes of the prompt's whole chunks of ``chunk_tokens`` tokens.
 
-    None when the prompt is not longer than ``length``: such a prompt has no
-    shared prefix worth remembering beyond itself.
+    Key ``i`` covers the prompt's first ``(i + 1) * chunk_tokens`` tokens (ids
+    counted exactly, text as ``CHARS_PER_TOKEN`` chars per token), the way
+    vLLM's block hashes chain, so equal key ``i`` means an equal prefix up to
+    it. The partial last chunk has no key: like a partial block, an engine
+    does not cache it.
     """
     flat = _flatten(body, chat)
-    if len(flat) <= length:
-        return None
-    if isinstance(flat, str):
-        return hash(flat[:length]), length // CHARS_PER_TOKEN
-    return hash(tuple(flat[:length])), length
+    step = chunk_tokens * CHARS_PER_TOKEN if isinstance(flat, str) else chunk_tokens
+    keys: list[int] = []
+    prev = 0
+    for start in range(0, len(flat) - step + 1, step):
+        piece = flat[start:start + step]
+        prev = hash((prev, piece if isinstance(piece, str) else tuple(piece)))
+        keys.append(prev)
+    return tuple(keys)
 
 
-class PrefixLRU:
-    """Bounded set of recently seen prefix keys, least recently used evicted."""
+class PrefixChunks:
+    """What one decode engine probably still caches: a bounded LRU of the chunk
+    keys (:func:`chunk_keys`) of the prompts it served, least recently used
+    forgotten first (as the engine's own prefix cache evicts).
+
+    Role: the proxy's estimate of an engine's prefix cache, from which it
+    decides on *uncached* prompt tokens (llm-d's decider, Dynamo's
+    ``eff_isl``). An estimate only: the engine may have evicted sooner, and
+    the proxy never learns of that; the cost of a wrong guess is one local
+    prefill that was longer than the threshold.
+    """
 
     __slots__ = ("_capacity", "_keys")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._keys: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._keys
+    def cached_chunks(self, keys: tuple[int, ...]) -> int:
+        """How many of ``keys``, from the first, this engine has served."""
+        n = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            n += 1
+        return n
 
-    def touch(self, key: Hashable) -> bool:
-        """Record ``key``; return whether it was already present."""
-        hit = key in self._keys
-        if hit:
-            self._keys.move_to_end(key)
-        else:
-            self._keys[key] = None
-            if len(self._keys) > self._capacity:
-                self._keys.popitem(last=False)
-        return hit
+    def add(self, keys: tuple[int, ...]) -> None:
+        """Remember ``keys`` as served now (most recently used)."""
+        for key in keys:
+            if key in self._keys:
+                self._keys.move_to_end(key)
+            else:
+                self._keys[key] = None
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)

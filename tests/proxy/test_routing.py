@@ -119,18 +119,59 @@ async def test_conditional_disaggregation(engines, proxy):
     assert 'pd_proxy_prefill_decisions_total{decision="remote",reason="long_prompt"} 2.0' in metrics
 
 
-async def test_prefix_aware_local_prefill(engines, proxy):
+async def test_decides_on_uncached_tokens_of_the_chosen_decode(engines, proxy):
+    """The threshold applies to the prompt minus what the chosen D probably
+    caches: the chunks of prompts the proxy already sent to that D."""
     p, d = await engines("prefill"), await engines("decode")
-    client = await proxy([p], [d], local_prefill_threshold=100, prefix_aware_len=600)
-    system = "S" * 800  # 200 tokens, the first 600 chars (150 tokens) shared
+    client = await proxy([p], [d], local_prefill_threshold=100)
+    system = "S" * 800  # 200 tokens: 6 whole chunks of 32 tokens (128 chars)
     assert (await client.post("/v1/completions", json={"prompt": system + "q1"})).status == 200
-    assert len(p.legs()) == 1  # first time: remote prefill
+    assert len(p.legs()) == 1  # first time: 200 uncached tokens, remote
     assert (await client.post("/v1/completions", json={"prompt": system + "q2"})).status == 200
-    assert len(p.legs()) == 1  # D has the prefix cached: ~50 new tokens < 100, local
+    assert len(p.legs()) == 1  # 192 of 200 tokens cached on D: 8 uncached, local
     assert "kv_transfer_params" not in d.legs()[1].body
+    long_tail = system + "n" * 800  # 192 cached + 208 new tokens: remote again
+    assert (await client.post("/v1/completions", json={"prompt": long_tail})).status == 200
+    assert len(p.legs()) == 2
     other = "T" * 800
     assert (await client.post("/v1/completions", json={"prompt": other})).status == 200
-    assert len(p.legs()) == 2  # a different prefix goes remote again
+    assert len(p.legs()) == 3  # another prefix: nothing cached
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_prefill_decisions_total{decision="local",reason="prefix_hit"} 1.0' in metrics
+    assert 'pd_proxy_prefill_decisions_total{decision="remote",reason="long_prompt"} 3.0' in metrics
+
+
+async def test_a_prefix_cached_on_another_decode_does_not_count(engines, proxy):
+    p = await engines("prefill")
+    d0, d1 = await engines("decode"), await engines("decode")
+    client = await proxy([p], [d0, d1], local_prefill_threshold=100, routing="round-robin")
+    system = "S" * 800
+    for q in ("q1", "q2", "q3"):
+        assert (await client.post("/v1/completions", json={"prompt": system + q})).status == 200
+    # q1 -> d0 (remote), q2 -> d1 (nothing cached there: remote), q3 -> d0 (cached: local)
+    assert len(p.legs()) == 2
+    assert [len(d0.legs()), len(d1.legs())] == [2, 1]
+    assert "kv_transfer_params" not in d0.legs()[1].body
+
+
+async def test_busy_prefill_pool_prefills_locally(engines, proxy):
+    """The load term: with every P at --max-prefill-queue legs in flight, a
+    long prompt is prefilled on D rather than queued behind them."""
+    p, d = await engines("prefill", delay=1.0), await engines("decode")
+    client = await proxy([p], [d], local_prefill_threshold=50, max_prefill_queue=1)
+    long_body = {"prompt": "L" * 2000}  # 500 tokens, far above the threshold
+    first = asyncio.ensure_future(client.post("/v1/completions", json=long_body))
+    for _ in range(100):
+        if p.in_flight:
+            break
+        await asyncio.sleep(0.01)
+    assert p.in_flight == 1
+    resp = await client.post("/v1/completions", json={"prompt": "M" * 2000})
+    assert resp.status == 200
+    assert len(p.legs()) == 1  # only the first went to P
+    assert (await first).status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_prefill_decisions_total{decision="local",reason="prefill_busy"} 1.0' in metrics
 
 
 async def test_slow_health_probe_does_not_take_the_last_backend_out(engines, proxy):

@@ -1,4 +1,4 @@
-"""Pure pieces: config validation, token estimates, prefix LRU, SSE splitting, legs,
+"""Pure pieces: config validation, token estimates, prefix chunk memory, SSE splitting, legs,
 body budget, request-id sanitizing."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from vllm_pd_proxy.config import ConfigError, ProxyConfig, normalize_url
 from vllm_pd_proxy.context import log_safe, sanitize_request_id
 from vllm_pd_proxy.errors import ProxyError
 from vllm_pd_proxy.legs import decode_body, prefill_body, push_decode_params
-from vllm_pd_proxy.prompt import PrefixLRU, estimate_tokens, prefix_key
+from vllm_pd_proxy.prompt import PrefixChunks, chunk_keys, estimate_tokens
 from vllm_pd_proxy.relay import OversizedEvent, read_events, split_events
 
 
@@ -24,7 +24,8 @@ def test_config_validation():
         ProxyConfig(prefill=("http://a:1",), decode=()),
         ProxyConfig(prefill=("http://a:1", "http://a:1"), decode=("http://b:1",)),
         ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefill_timeout=0),
-        ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefix_aware_len=10),
+        ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), max_prefill_queue=2),
+        ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefix_chunk_tokens=0),
         ProxyConfig(prefill=("ftp://a:1",), decode=("http://b:1",)),
         ProxyConfig(prefill=("http://a:1/v1",), decode=("http://b:1",)),
         ProxyConfig(
@@ -54,26 +55,34 @@ def test_estimate_tokens():
     assert 50 <= estimate_tokens({"messages": msgs}, chat=True) <= 55
 
 
-def test_prefix_key():
-    a = prefix_key({"prompt": "abc" * 100}, False, 30)
-    b = prefix_key({"prompt": "abc" * 200}, False, 30)
-    c = prefix_key({"prompt": "xyz" * 100}, False, 30)
-    assert a is not None and b is not None and c is not None
-    assert a[0] == b[0] != c[0]
-    assert a[1] == 30 // 4
-    assert prefix_key({"prompt": "short"}, False, 30) is None
-    ids = prefix_key({"prompt": list(range(100))}, False, 10)
-    assert ids is not None and ids[1] == 10
+def test_chunk_keys_chain_like_block_hashes():
+    a = chunk_keys({"prompt": "abcd" * 100}, False, 8)  # 400 chars = 100 tokens
+    assert len(a) == 100 // 8  # the partial last chunk has no key
+    longer = chunk_keys({"prompt": "abcd" * 100 + "z" * 64}, False, 8)
+    assert longer[: len(a)] == a and len(longer) == len(a) + 2
+    # A change early on changes every key after it (a chain, not per-chunk hashes).
+    edited = chunk_keys({"prompt": "X" + ("abcd" * 100)[1:]}, False, 8)
+    assert not set(edited) & set(a)
+    assert chunk_keys({"prompt": list(range(20))}, False, 8) == chunk_keys(
+        {"prompt": [*range(16), 99, 98]}, False, 8
+    )
+    assert len(chunk_keys({"prompt": list(range(20))}, False, 8)) == 2
+    assert chunk_keys({"prompt": "short"}, False, 8) == ()
+    chat = {"messages": [{"role": "user", "content": "q" * 300}]}
+    assert len(chunk_keys(chat, True, 8)) == (len("user") + 2 + 300) // 32
 
 
-def test_prefix_lru_evicts_least_recent():
-    lru = PrefixLRU(2)
-    assert lru.touch("a") is False
-    assert lru.touch("b") is False
-    assert lru.touch("a") is True  # a is now most recent
-    lru.touch("c")  # evicts b
-    assert "a" in lru and "c" in lru and "b" not in lru
-    assert len(lru) == 2
+def test_prefix_chunks_count_the_leading_run_and_evict_least_recent():
+    cache = PrefixChunks(4)
+    cache.add((1, 2, 3))
+    assert cache.cached_chunks((1, 2, 3, 4)) == 3
+    assert cache.cached_chunks((1, 9, 3)) == 1  # stops at the first miss
+    assert cache.cached_chunks((9, 1)) == 0
+    cache.add((5, 6))  # 1 is least recently used: evicted
+    assert len(cache) == 4 and cache.cached_chunks((1,)) == 0
+    cache.add((2,))  # refreshes 2; the next add evicts 3 first
+    cache.add((7,))
+    assert cache.cached_chunks((2,)) == 1 and cache.cached_chunks((3,)) == 0
 
 
 def test_split_events():

@@ -172,7 +172,8 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
                            prompt_jitter=args.prompt_jitter)
         with QueueSampler(metrics_urls) as sampler:
             results, duration = asyncio.run(run_point(
-                urls, model, trace, timeout_s=args.timeout, progress=not args.no_progress))
+                urls, model, trace, timeout_s=args.timeout, progress=not args.no_progress,
+                rate=rate))
         summary = summarize(results, offered_rate=rate, slo=slo, duration_s=duration,
                             denominator=args.denominator)
         summary["server_queue"] = sampler.summary()
@@ -260,7 +261,7 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
                 candidate_name=cand["name"])
     result["verdict"] = v
     print()
-    print(render_table(strip[0], strip[1]))
+    print(render_table(strip[0], strip[1], gates=gates))
     for d in (base, cand):
         for p in d["points"]:
             if p.get("breakdown"):
