@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.concurrency import check_concurrent_load
 from tests.e2e.helpers import (
     BLOCK_SIZE,
     EXTERNAL,
@@ -467,3 +468,9 @@ def test_malformed_push_params_fail_only_that_request(ref: Engine, push: dict[st
     status, got = post_json(proxy.url + "/v1/completions", body)
     assert status == 200, got
     assert_same_as_reference(ref, got, want)
+
+
+def test_concurrent_clients_get_collocated_outputs_and_kv_moves_push(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """Issue 10's load in push mode (tests/e2e/concurrency.py)."""
+    check_concurrent_load("push", push["p"], push["d"], push["proxy"], ref, model)

@@ -92,6 +92,9 @@ def _load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-stop-on-overload", action="store_true",
                    help="also run the rates above one whose queue grew without bound")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--extra-body", default=None, metavar="JSON",
+                   help='a JSON object merged into every request body, e.g. '
+                   '\'{"return_token_ids": true}\' to record token ids')
     s = p.add_argument_group("SLO and gates")
     s.add_argument("--slo", default="ttft:2000,tpot:100,itl:250",
                    help="cutoffs in ms a request must all meet: ttft, tpot, itl (max per "
@@ -164,6 +167,7 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
     without bound (its higher rates can only be worse) unless told not to."""
     slo = parse_slo(args.slo)
     gates = _gates(args)
+    extra = _extra_body(args.extra_body)
     points: list[dict[str, Any]] = []
     for i, rate in enumerate(_rates(args.rates)):
         trace = make_trace(rate=rate, num_requests=args.requests, warmup=args.warmup,
@@ -173,7 +177,7 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
         with QueueSampler(metrics_urls) as sampler:
             results, duration = asyncio.run(run_point(
                 urls, model, trace, timeout_s=args.timeout, progress=not args.no_progress,
-                rate=rate))
+                rate=rate, extra_body=extra))
         summary = summarize(results, offered_rate=rate, slo=slo, duration_s=duration,
                             denominator=args.denominator)
         summary["server_queue"] = sampler.summary()
@@ -191,6 +195,18 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
             say(f"{name}: queue grew without bound at {rate:g} req/s; higher rates not run")
             break
     return {"name": name, "points": points, "gates": gates.__dict__, "slo": slo.__dict__}
+
+
+def _extra_body(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        extra = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--extra-body {text[:80]!r}: not JSON") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body: expected a JSON object")
+    return extra
 
 
 def _gates(args: argparse.Namespace) -> Gates:

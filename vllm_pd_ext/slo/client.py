@@ -92,15 +92,32 @@ class SSEParser:
         return event
 
 
-def _has_text(choices: Any) -> bool:
+def _text_of(choices: Any) -> str:
+    """The generated text a chunk carries (completion ``text`` or chat
+    ``delta.content``), "" for none."""
     if not isinstance(choices, list):
-        return False
+        return ""
+    out = []
     for choice in choices:
         if isinstance(choice, dict):
             delta = choice.get("delta")
-            if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
-                return True
-    return False
+            text = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
+                                          else None)
+            if isinstance(text, str):
+                out.append(text)
+    return "".join(out)
+
+
+def _token_ids_of(choices: Any) -> list[int]:
+    """Token ids a chunk carries (vLLM with ``return_token_ids``), else []."""
+    if not isinstance(choices, list):
+        return []
+    out: list[int] = []
+    for choice in choices:
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        if isinstance(ids, list):
+            out.extend(i for i in ids if isinstance(i, int))
+    return out
 
 
 class StreamRecorder:
@@ -120,6 +137,8 @@ class StreamRecorder:
         self.prompt_tokens: int | None = None
         self.telemetry: dict[str, Any] | None = None
         self.error = ""
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
 
     def on_chunk(self, chunk: dict[str, Any], now: float) -> None:
         telemetry = chunk.get("pd_telemetry")
@@ -135,7 +154,11 @@ class StreamRecorder:
                 self.completion_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
-        if _has_text(chunk.get("choices")):
+        choices = chunk.get("choices")
+        self.token_ids.extend(_token_ids_of(choices))
+        text = _text_of(choices)
+        if text:
+            self.text_parts.append(text)
             if self.last is None:
                 self.first = now
             else:
@@ -285,7 +308,8 @@ async def _send(session: aiohttp.ClientSession, url: str, body: bytes, req: Trac
         prompt_tokens=rec.prompt_tokens if rec.prompt_tokens is not None else len(req.prompt),
         output_tokens=rec.output_tokens, ok=ok, error=error, ttft_s=rec.ttft_s,
         e2e_s=end - started if ok else None, itl_s=rec.itl_s, telemetry=rec.telemetry,
-        warmup=req.warmup)
+        warmup=req.warmup, text="".join(rec.text_parts),
+        token_ids=rec.token_ids)
     return result, end - t0
 
 

@@ -58,6 +58,12 @@ class RequestResult(msgspec.Struct, kw_only=True):
     #: The proxy's ``pd_telemetry`` dict, opaque here (``breakdown``).
     telemetry: dict[str, Any] | None = None
     warmup: bool = False
+    #: The generated text (temperature 0: the same trace gives the same text
+    #: on every correct deployment, which the end-to-end test checks).
+    text: str = ""
+    #: The generated token ids, when the server sends them (vLLM with
+    #: ``--extra-body '{"return_token_ids": true}'``).
+    token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 def tpot_s(r: RequestResult) -> float | None:
