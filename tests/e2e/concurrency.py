@@ -30,16 +30,15 @@ from tests.e2e.helpers import (
     KV_BYTES,
     TINY_BLOCK_BYTES,
     TINY_LAYERS,
-    assert_same_as_reference,
+    assert_nothing_held,
+    assert_outputs_are_reference,
     blocks_for,
     completion_body,
     delta,
-    poke,
     run_clients,
     token_prompt,
 )
 from vllm_pd_ext.testing.engines import Engine, Proxy
-from vllm_pd_ext.testing.oracle import Output, output_of
 
 CLIENTS = 8
 REQUESTS = 40
@@ -76,24 +75,7 @@ def check_concurrent_load(mode: str, p: Engine, d: Engine, proxy: Proxy, ref: En
     assert delta(d0, d1, KV_BYTES) == total_blocks * BLOCK
     assert BLOCK_SIZE == 128  # (the block count above assumes vLLM's CPU default)
 
-    # Every output is the collocated engine's.
-    for rid, body in jobs:
-        got = results[rid]
-        assert isinstance(got, Output)
-        assert len(got.tokens) == MAX_TOKENS, f"{rid}: {len(got.tokens)} tokens"
-        status, want = ref.post("/v1/completions", dict(body, stream=False))
-        assert status == 200, want
-        assert_same_as_reference(ref, got, output_of(want))
-
-    # Nothing is held afterwards (an idle P frees released leases on its next
-    # request). The pair may be shared with other tests: allow one default
-    # lease (30 s) for a lease another test left behind to run out.
-    deadline = time.monotonic() + 35
-    while True:
-        poke(p, model)
-        usage = [e.metrics()["vllm:kv_cache_usage_perc"] for e in (p, d)]
-        if not any(usage) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert not any(usage), f"{mode}: blocks held after the load (P, D usage): {usage}"
-    assert p.alive() and d.alive()
+    assert_outputs_are_reference(ref, jobs, results, MAX_TOKENS)
+    # The pair may be shared with other tests: allow one default lease (30 s)
+    # for a lease another test left behind to run out.
+    assert_nothing_held([p], [d], model, 35, mode)

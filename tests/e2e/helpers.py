@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -181,3 +182,34 @@ def run_clients(url: str, jobs: list[tuple[str, dict[str, Any]]], clients: int,
 
 def log_dir(name: str) -> Path:
     return REPO / ".runs" / "tests" / name
+
+
+def assert_outputs_are_reference(ref: Engine, jobs: list[tuple[str, dict[str, Any]]],
+                                 results: Mapping[str, Any], max_tokens: int) -> None:
+    """Every job's output (``run_clients``) is the collocated ``ref`` engine's,
+    by the oracle, with ``max_tokens`` tokens."""
+    for rid, body in jobs:
+        got = results[rid]
+        assert isinstance(got, Output)
+        assert len(got.tokens) == max_tokens, f"{rid}: {len(got.tokens)} tokens"
+        status, want = ref.post("/v1/completions", dict(body, stream=False))
+        assert status == 200, want
+        assert_same_as_reference(ref, got, output_of(want))
+
+
+def assert_nothing_held(ps: list[Engine], ds: list[Engine], model: str, within_s: float,
+                        what: str) -> None:
+    """No KV block stays in use on any engine (an idle P frees released
+    leases on its next request, hence the pokes), within ``within_s``; all
+    engines still alive."""
+    deadline = time.monotonic() + within_s
+    while True:
+        for p in ps:
+            poke(p, model)
+        usage = [e.metrics()["vllm:kv_cache_usage_perc"] for e in (*ps, *ds)]
+        if not any(usage) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    names = " ".join(e.name for e in (*ps, *ds))
+    assert not any(usage), f"{what}: blocks held afterwards ({names}): {usage}"
+    assert all(e.alive() for e in (*ps, *ds))

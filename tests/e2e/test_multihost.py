@@ -26,7 +26,6 @@ streamed, two pairs sharing a prefix). Then:
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,18 +38,17 @@ from tests.e2e.helpers import (
     KV_BYTES,
     TINY_BLOCK_BYTES,
     TINY_LAYERS,
-    assert_same_as_reference,
+    assert_nothing_held,
+    assert_outputs_are_reference,
     blocks_for,
     completion_body,
     delta,
     log_dir,
-    poke,
     run_clients,
     token_prompt,
 )
 from vllm_pd_ext.testing import netns
 from vllm_pd_ext.testing.engines import Engine, Proxy
-from vllm_pd_ext.testing.oracle import Output, output_of
 
 UNAVAILABLE = netns.engines_unavailable()
 pytestmark = [pytest.mark.engine,
@@ -153,23 +151,5 @@ def test_2p2d_across_namespaces_equals_collocated_and_kv_moves_over_tcp(
                  if peer[0] in p_addrs and peer[1] not in known and local[1] not in known]
         assert peers, f"{mode}: {d.name} has no UCX connection to a P: {d.host.connections()}"
 
-    # Every output is the collocated engine's.
-    for rid, body in jobs:
-        got = results[rid]
-        assert isinstance(got, Output)
-        assert len(got.tokens) == MAX_TOKENS, f"{rid}: {len(got.tokens)} tokens"
-        status, want = ref.post("/v1/completions", dict(body, stream=False))
-        assert status == 200, want
-        assert_same_as_reference(ref, got, output_of(want))
-
-    # Nothing is held afterwards (an idle P frees released leases on its next request).
-    deadline = time.monotonic() + 20
-    while True:
-        for p in ps:
-            poke(p, model)
-        usage = [e.metrics()["vllm:kv_cache_usage_perc"] for e in (*ps, *ds)]
-        if not any(usage) or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-    assert not any(usage), f"{mode}: blocks held afterwards (P0 P1 D0 D1): {usage}"
-    assert all(e.alive() for e in (*ps, *ds))
+    assert_outputs_are_reference(ref, jobs, results, MAX_TOKENS)
+    assert_nothing_held(ps, ds, model, 20, mode)

@@ -6,6 +6,8 @@
     # one deployment you already run (any OpenAI-compatible URL), same flags
     vllm-pd-bench run --url http://127.0.0.1:8000 --model M --name disaggregated --out pd.json
     vllm-pd-bench verdict agg.json pd.json
+    # the proxy's --local-prefill-threshold from compare runs at two lengths
+    vllm-pd-bench threshold .runs/slo/short/result.json .runs/slo/long/result.json
 
 For every offered rate: an open-loop, seeded trace (``trace.py``; warm-up
 requests excluded), streamed completions (``client.py``), and the summary
@@ -73,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("baseline", help="the aggregated deployment's JSON")
     v.add_argument("candidate", help="the disaggregated deployment's JSON")
     v.add_argument("--plots", default=None, help="directory for the PNG plots")
+    t = sub.add_parser("threshold", help="the proxy's --local-prefill-threshold from "
+                       "'compare' results at two or more prompt lengths (docs/slo.md)")
+    t.add_argument("results", nargs="+", help="compare's result.json files, same SLO")
     return p
 
 
@@ -280,8 +285,8 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
     print(render_table(strip[0], strip[1], gates=gates))
     for d in (base, cand):
         for p in d["points"]:
-            if p.get("breakdown"):
-                b = p["breakdown"]
+            b = p.get("breakdown")
+            if b and b.get("count"):
                 print(f"TTFT breakdown, {d['name']} @ {p['summary']['offered_rate']:g} req/s "
                       f"(medians of {b.get('count')}): " + ", ".join(
                           f"{k} {v['p50']:.1f} ms" for k, v in b.items()
@@ -299,6 +304,22 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
             say("plots: " + ", ".join(str(p) for p in paths))
         else:
             say("no plots: pip install matplotlib")
+
+
+def threshold(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print the break-even (slo/threshold.py) and the runs' verdicts beside it."""
+    from vllm_pd_ext.slo.threshold import from_results
+
+    out = from_results(results)
+    for run in out["runs"]:
+        print(f"{run['prompt_tokens']:.0f} tokens: P prefill p50 {run['prefill_p50_ms']:.1f} ms, "
+              f"D decode step {run['decode_step_ms']:.1f} ms; {run['verdict'] or 'no verdict'}")
+    print(f"prefill = {out['intercept_ms']:.1f} ms + {out['ms_per_token']:.4f} ms/token; "
+          f"stall budget = ITL cutoff {out['itl_cutoff_ms']:g} ms - decode step "
+          f"{out['decode_step_ms']:.1f} ms = {out['stall_budget_ms']:.1f} ms")
+    print(f"break-even: {out['break_even_tokens']:.0f} uncached tokens -> "
+          f"vllm-pd-proxy --local-prefill-threshold {out['threshold_tokens']}")
+    return out
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -320,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                        args.metrics_url)}}
             _write(Path(args.out), result)
             say(f"wrote {args.out}")
+        elif args.cmd == "threshold":
+            threshold([json.loads(Path(f).read_text()) for f in args.results])
         else:
             runs = [json.loads(Path(f).read_text()) for f in (args.baseline, args.candidate)]
             deps = [next(iter(r["deployments"].values())) for r in runs]
