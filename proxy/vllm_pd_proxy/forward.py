@@ -196,10 +196,9 @@ class Forwarder:
             key = conversation_key(request.headers, body, ctx.chat, self._config.session_header)
             ctx.capture_kv = key is not None
             turn = self._take_turn(key) if key is not None else None
-        local, reason, decode, prefix = self._decide(ctx, body)
+        affine = self._affine_decode(turn) if turn is not None else None
+        local, reason, decode, prefix = self._decide(ctx, body, affine, turn is not None)
         self._metrics.decisions.labels("local" if local else "remote", reason).inc()
-        if turn is not None and decode is None:
-            decode = self._affine_decode(turn)
         try:
             return await self._run_flow(request, ctx, body, headers, local, decode, prefix, turn)
         finally:
@@ -290,25 +289,31 @@ class Forwarder:
         return failed
 
     def _decide(
-        self, ctx: RequestContext, body: dict[str, Any]
+        self, ctx: RequestContext, body: dict[str, Any], affine: Backend | None = None,
+        has_turn: bool = False,
     ) -> tuple[bool, str, Backend | None, tuple[int, ...] | None]:
         """(local?, reason, preselected D, chunk keys to remember on that D).
 
         Decides on the *uncached* prompt tokens: the estimate minus what the
         chosen D probably holds in its prefix cache (the chunks of prompts the
         proxy sent it, :class:`PrefixChunks`), as llm-d's decider and Dynamo's
-        ``eff_isl`` do. D is therefore chosen first, by load.
+        ``eff_isl`` do. D is therefore chosen first: the conversation's D
+        (``affine``) when it has one, else by load. A turn that D kept for
+        this request is read back through P, never skipped: that read
+        releases D's kept blocks.
         """
         config = self._config
         threshold = config.local_prefill_threshold
         if not threshold:
-            return False, "always_remote", None, None
-        decode = self._pick_decode(ctx)
+            return False, "always_remote", affine, None
+        decode = affine or self._pick_decode(ctx)
         keys = chunk_keys(body, ctx.chat, config.prefix_chunk_tokens)
         cached = 0
         if decode.prefixes is not None and keys:
             cached = decode.prefixes.cached_chunks(keys) * config.prefix_chunk_tokens
         ctx.uncached_tokens = max(0, ctx.tokens - cached)
+        if has_turn:
+            return False, "multi_turn", decode, keys
         if ctx.uncached_tokens < threshold:
             return True, "prefix_hit" if ctx.tokens >= threshold else "short_prompt", decode, keys
         if config.max_prefill_queue and self._prefill_saturated(config.max_prefill_queue):

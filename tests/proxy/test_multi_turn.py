@@ -171,3 +171,24 @@ def test_extract_kv_params_leaves_other_events_alone():
                    b'data: {"choices":[{"text":"b"}]}\n\n')
     body, params = extract_kv_params(json.dumps({"a": 1}).encode(), sse=False)
     assert params is None and json.loads(body) == {"a": 1}
+
+
+async def test_a_kept_turn_is_read_back_even_under_the_local_prefill_threshold(engines, proxy):
+    """With conditional disaggregation, a conversation's next turn still goes
+    through P (its read-back releases the blocks D kept) and to the D that
+    kept it; a first turn under the threshold is prefilled on D, which keeps it."""
+    p = await engines("prefill")
+    d0 = await engines("decode", override=keeping_decode())
+    d1 = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d0, d1], multi_turn=True, local_prefill_threshold=100_000)
+    session = {"X-Session-Id": "conv-local"}
+    body = {"model": "m", "prompt": "hello", "max_tokens": 5}
+    assert (await client.post("/v1/completions", json=body, headers=session)).status == 200
+    assert p.legs() == []  # turn 1: short, prefilled on D (which kept it)
+    first_d = d0 if d0.legs() else d1
+    assert (await client.post("/v1/completions", json=body, headers=session)).status == 200
+    assert len(p.legs()) == 1  # turn 2: through P, with D's kept blocks
+    assert p.legs()[0].body["kv_transfer_params"]["remote_block_hashes"] == KEPT[
+        "remote_block_hashes"]
+    assert len(first_d.legs()) == 2
+    assert await _metric(client, "pd_proxy_prefill_decisions_total", 'reason="multi_turn"') == 1
