@@ -141,8 +141,10 @@ async def bench_proxy_auth(pairs: int, log_dir: Path) -> dict[str, Any]:
     try:
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         await bench_proxy.wait_ready(p_url + "/health")
-        off = ProxyConfig(prefill=(p_url,), decode=(d_url,), health_interval=60.0).validated()
+        off = ProxyConfig(prefill=(p_url,), decode=(d_url,), health_interval=60.0,
+                          local_prefill_threshold=0).validated()
         on = ProxyConfig(prefill=(p_url,), decode=(d_url,), health_interval=60.0,
+                         local_prefill_threshold=0,
                          auth=auth.Keyring.parse(SECRET, "bench")).validated()
         for cfg, port in ((off, off_port), (on, on_port)):
             runner = web.AppRunner(create_app(cfg), access_log=None)

@@ -311,6 +311,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     p_url,
                     "--decode",
                     d_url,
+                    "--local-prefill-threshold",
+                    "0",
                     "--log-level",
                     args.proxy_log_level,
                 ],

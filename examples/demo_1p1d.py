@@ -55,8 +55,11 @@ def main() -> int:
         d.start()
         p.wait_ready()
         d.wait_ready()
+        # Threshold 0: this one short prompt must be disaggregated (by default
+        # the proxy prefills prompts this short on D itself, docs/slo.md).
         proxy = Proxy([p.url], [d.url], logs, env=env,
-                      args=["--transfer-mode", args.transfer_mode]).start().wait_ready()
+                      args=["--transfer-mode", args.transfer_mode,
+                            "--local-prefill-threshold", "0"]).start().wait_ready()
         print(f"proxy on {proxy.url} ({args.transfer_mode} mode); sending one completion "
               "through it", flush=True)
         before, p_before = d.metrics(), p.metrics()

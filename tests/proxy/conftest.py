@@ -40,6 +40,9 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]
         prefill: list[FakeEngine], decode: list[FakeEngine], **kwargs: Any
     ) -> TestClient[Any, Any]:
         kwargs.setdefault("health_interval", 60.0)
+        # The tests' prompts are short: disaggregate them unless a test sets
+        # a threshold (the proxy's default prefills short prompts on D).
+        kwargs.setdefault("local_prefill_threshold", 0)
         config = ProxyConfig(
             prefill=tuple(e.url for e in prefill),
             decode=tuple(e.url for e in decode),

@@ -125,6 +125,9 @@ async def test_console_command_end_to_end(engines):
                 assert resp.status == 200
                 events = parse_sse(await resp.read())
         assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "b"]
+        # The default --local-prefill-threshold (docs/slo.md): a 2-char prompt is
+        # prefilled on D; nothing goes to P.
+        assert p.legs() == [] and len(d.legs()) == 1
     finally:
         proc.terminate()  # only the process this test started
         _, err = await asyncio.wait_for(proc.communicate(), 15)

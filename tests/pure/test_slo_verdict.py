@@ -160,3 +160,39 @@ def test_plots_with_matplotlib(tmp_path):
     assert sorted(p.name for p in paths) == ["attainment.png", "itl_cdf.png",
                                              "ttft_breakdown.png", "ttft_cdf.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in paths)
+
+
+def _swept(name: str, max_itl_s: float, slo: str) -> dict:
+    """A deployment as the benchmark stores it: 10 requests at 1 rps whose
+    largest token gap is ``max_itl_s``, summarized under ``slo``."""
+    from vllm_pd_ext.slo.metrics import Gates, parse_slo, summarize
+
+    results = [RequestResult(index=i, scheduled_s=float(i), sent_s=float(i), prompt_tokens=4,
+                             output_tokens=3, ok=True, ttft_s=0.1, e2e_s=0.3,
+                             itl_s=[0.01, max_itl_s]) for i in range(10)]
+    summary = summarize(results, offered_rate=1.0, slo=parse_slo(slo), duration_s=10.0)
+    return {"name": name, "gates": Gates().__dict__, "slo": {},
+            "points": [{"summary": summary, "results": [
+                {f: getattr(x, f) for f in x.__struct_fields__} for x in results]}]}
+
+
+def test_verdict_rejudges_stored_requests_under_another_slo(tmp_path, capsys):
+    import json
+
+    from vllm_pd_ext.slo.cli import main
+
+    result = {"deployments": {"aggregated": _swept("aggregated", 0.15, "itl:100"),
+                              "disaggregated": _swept("disaggregated-pull", 0.02, "itl:100")}}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    main(["verdict", str(path)])
+    out = capsys.readouterr().out
+    assert "VERDICT: disaggregation justified" in out
+    assert "aggregated 0 rps, disaggregated-pull 1 rps" in out
+    # The same requests against a 200 ms ITL cutoff: both pass, not justified.
+    main(["verdict", str(path), "--slo", "itl:200"])
+    out = capsys.readouterr().out
+    assert "VERDICT: disaggregation not justified" in out
+    assert "aggregated 1 rps, disaggregated-pull 1 rps" in out
+    with pytest.raises(SystemExit):
+        main(["verdict", str(path), str(path), str(path)])

@@ -71,10 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-url", action="append", default=[],
                      help="engines whose /metrics give the waiting queue (optional)")
     run.add_argument("--out", required=True, help="the result JSON file")
-    v = sub.add_parser("verdict", help="the verdict from two 'run' results")
-    v.add_argument("baseline", help="the aggregated deployment's JSON")
-    v.add_argument("candidate", help="the disaggregated deployment's JSON")
+    v = sub.add_parser("verdict", help="the verdict from two 'run' results (baseline "
+                       "first) or one 'compare' result")
+    v.add_argument("results", nargs="+", metavar="RESULT",
+                   help="aggregated.json disaggregated.json, or compare's result.json")
     v.add_argument("--plots", default=None, help="directory for the PNG plots")
+    v.add_argument("--slo", default=None,
+                   help="judge the stored requests against other cutoffs (same syntax "
+                   "as the runs' --slo); default: the runs' own")
     t = sub.add_parser("threshold", help="the proxy's --local-prefill-threshold from "
                        "'compare' results at two or more prompt lengths (docs/slo.md)")
     t.add_argument("results", nargs="+", help="compare's result.json files, same SLO")
@@ -306,6 +310,40 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
             say("no plots: pip install matplotlib")
 
 
+def _verdict_inputs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """(baseline, candidate) from one compare result or two run results."""
+    if len(runs) == 1:
+        deps = runs[0].get("deployments") or {}
+        if set(deps) != {"aggregated", "disaggregated"}:
+            raise ValueError("one result given: expected compare's, with both deployments")
+        return [deps["aggregated"], deps["disaggregated"]]
+    if len(runs) != 2:
+        raise ValueError("expected two 'run' results (baseline first) or one 'compare' result")
+    return [next(iter(r["deployments"].values())) for r in runs]
+
+
+def rejudge(dep: dict[str, Any], slo: Any) -> dict[str, Any]:
+    """``dep`` with every point's summary recomputed under ``slo`` from its
+    stored requests (same requests, same timings, other cutoffs)."""
+    import msgspec
+
+    from vllm_pd_ext.slo.metrics import RequestResult
+
+    gates = Gates(**dep["gates"])
+    points = []
+    for point in dep["points"]:
+        old = point["summary"]
+        results = [msgspec.convert(r, RequestResult) for r in point["results"]]
+        summary = summarize(results, offered_rate=old["offered_rate"], slo=slo,
+                            duration_s=old["duration"],
+                            denominator=old.get("attainment_denominator", "offered"))
+        summary["server_queue"] = old.get("server_queue")
+        ok, why = point_passes(summary, gates)
+        summary["passes"], summary["fails_because"] = ok, why
+        points.append(dict(point, summary=summary))
+    return dict(dep, points=points, slo=slo.__dict__)
+
+
 def threshold(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Print the break-even (slo/threshold.py) and the runs' verdicts beside it."""
     from vllm_pd_ext.slo.threshold import from_results
@@ -344,8 +382,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.cmd == "threshold":
             threshold([json.loads(Path(f).read_text()) for f in args.results])
         else:
-            runs = [json.loads(Path(f).read_text()) for f in (args.baseline, args.candidate)]
-            deps = [next(iter(r["deployments"].values())) for r in runs]
+            deps = _verdict_inputs([json.loads(Path(f).read_text()) for f in args.results])
+            if args.slo is not None:
+                deps = [rejudge(d, parse_slo(args.slo)) for d in deps]
             out: dict[str, Any] = {"command": "verdict"}
             _conclude(out, deps[0], deps[1], Path(args.plots) if args.plots else None)
     except ValueError as exc:

@@ -67,6 +67,10 @@ class Deployment:
         self.engines = [p, d]
         self.proxy = Proxy([p.url], [d.url], logs, args=[
             "--transfer-mode", self.transfer_mode, "--transfer-telemetry",
+            # Every request disaggregated: this deployment is the one being
+            # judged, not the proxy's conditional rule (whose threshold the
+            # comparison calibrates, slo/threshold.py).
+            "--local-prefill-threshold", "0",
             # An overloaded point must show as latency and timeouts, not as
             # the proxy's own 503s after 30 s in its admission queue.
             "--queue-timeout", "3600", "--max-queued", "100000"])

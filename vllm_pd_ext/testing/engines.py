@@ -277,6 +277,10 @@ class Proxy:
             cmd += ["--prefill", url]
         for url in self.decode:
             cmd += ["--decode", url]
+        if "--local-prefill-threshold" not in self.args:
+            # Tests and benchmarks measure handoffs: every request disaggregated
+            # unless one asks for the proxy's conditional default.
+            cmd += ["--local-prefill-threshold", "0"]
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=subprocess.STDOUT,
                                      cwd=str(REPO), start_new_session=True,
