@@ -40,6 +40,14 @@ def normalize_url(url: str) -> str:
     return url
 
 
+#: The measured break-even (docs/slo.md, ``vllm-pd-bench threshold``): on our
+#: 2-core CPU machines with the bench model and the seed's 200 ms ITL cutoff, a
+#: local prefill of more uncached tokens than this stalls D's streams past the
+#: cutoff (300-token prompts already justified disaggregation there). On GPUs
+#: prefill is much faster and the break-even higher: re-derive it.
+DEFAULT_LOCAL_PREFILL_THRESHOLD = 272
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
     """Every tunable of the proxy; defaults match the documented CLI defaults."""
@@ -53,7 +61,7 @@ class ProxyConfig:
     # Conditional disaggregation: requests whose *uncached* prompt tokens (the
     # prompt minus what the chosen decode engine probably caches) are below
     # this are prefilled on the decode engine itself. 0 disables it.
-    local_prefill_threshold: int = 0
+    local_prefill_threshold: int = DEFAULT_LOCAL_PREFILL_THRESHOLD
     # The proxy's memory of each decode engine's prefix cache: chunks of this
     # many tokens, at most prefix_cache_size chunks per engine (LRU).
     prefix_chunk_tokens: int = 32

@@ -24,7 +24,10 @@ def test_config_validation():
         ProxyConfig(prefill=("http://a:1",), decode=()),
         ProxyConfig(prefill=("http://a:1", "http://a:1"), decode=("http://b:1",)),
         ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefill_timeout=0),
-        ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), max_prefill_queue=2),
+        ProxyConfig(
+            prefill=("http://a:1",), decode=("http://b:1",), max_prefill_queue=2,
+            local_prefill_threshold=0,
+        ),
         ProxyConfig(prefill=("http://a:1",), decode=("http://b:1",), prefix_chunk_tokens=0),
         ProxyConfig(prefill=("ftp://a:1",), decode=("http://b:1",)),
         ProxyConfig(prefill=("http://a:1/v1",), decode=("http://b:1",)),

@@ -5,30 +5,41 @@ from __future__ import annotations
 import pytest
 
 from vllm_pd_ext.slo.cli import main
-from vllm_pd_ext.slo.threshold import break_even_tokens, fit_line, from_results
-
-
-def test_fit_line_is_least_squares():
-    assert fit_line([(0, 1), (10, 21)]) == pytest.approx((1.0, 2.0))
-    a, b = fit_line([(0, 0), (1, 1), (2, 1), (3, 2)])
-    assert (a, b) == pytest.approx((0.1, 0.6))
-    with pytest.raises(ValueError, match="two or more prompt lengths"):
-        fit_line([(300, 20), (300, 25)])
+from vllm_pd_ext.slo.threshold import break_even_tokens, from_results
 
 
 def test_break_even_is_where_the_stall_fills_the_itl_budget():
     # 10 ms + 0.05 ms/token; budget 50 - 5 = 45 ms -> 700 tokens
     out = break_even_tokens([(300, 25.0), (2000, 110.0)], itl_cutoff_ms=50, decode_step_ms=5)
     assert out["ms_per_token"] == pytest.approx(0.05)
-    assert out["intercept_ms"] == pytest.approx(10.0)
     assert out["break_even_tokens"] == pytest.approx(700.0)
     assert out["threshold_tokens"] == 688  # rounded down to 16 tokens
-    # A budget the fixed cost alone exceeds: never prefill locally.
+    # Below the shortest length: the first segment extended (and never < 0).
+    assert break_even_tokens([(300, 25.0), (2000, 110.0)], 25, 5)["break_even_tokens"] == (
+        pytest.approx(200.0))
     assert break_even_tokens([(300, 25.0), (2000, 110.0)], 12, 5)["threshold_tokens"] == 0
+    # Beyond the longest: the last segment extended.
+    assert break_even_tokens([(300, 25.0), (2000, 110.0)], 125, 5)["break_even_tokens"] == (
+        pytest.approx(2200.0))
     with pytest.raises(ValueError, match="does not grow"):
         break_even_tokens([(300, 30.0), (2000, 30.0)], 50, 5)
     with pytest.raises(ValueError, match="ITL cutoff"):
         break_even_tokens([(300, 25.0), (2000, 110.0)], 0, 5)
+    with pytest.raises(ValueError, match="two or more prompt lengths"):
+        break_even_tokens([(300, 20.0), (300, 25.0)], 50, 5)
+
+
+def test_superlinear_prefill_is_interpolated_between_neighbours():
+    # 0.05 ms/token up to 1000 tokens, then 0.2: one straight line through all
+    # three points would put the 45 ms crossing near 500 tokens, not at 700.
+    samples = [(300, 25.0), (1000, 60.0), (2000, 260.0)]
+    out = break_even_tokens(samples, 50, 5)
+    assert out["segment"] == [300.0, 1000.0]
+    assert out["break_even_tokens"] == pytest.approx(700.0)
+    assert break_even_tokens(samples, 165, 5)["break_even_tokens"] == pytest.approx(1500.0)
+    # Repeated lengths are averaged.
+    assert break_even_tokens([(300, 20.0), (300, 30.0), (2000, 110.0)], 50, 5)[
+        "break_even_tokens"] == pytest.approx(700.0)
 
 
 def _result(tokens: int, prefill_ms: float, step_ms: float, itl_ms: float | None,

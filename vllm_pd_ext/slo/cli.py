@@ -352,7 +352,8 @@ def threshold(results: list[dict[str, Any]]) -> dict[str, Any]:
     for run in out["runs"]:
         print(f"{run['prompt_tokens']:.0f} tokens: P prefill p50 {run['prefill_p50_ms']:.1f} ms, "
               f"D decode step {run['decode_step_ms']:.1f} ms; {run['verdict'] or 'no verdict'}")
-    print(f"prefill = {out['intercept_ms']:.1f} ms + {out['ms_per_token']:.4f} ms/token; "
+    lo, hi = out["segment"]
+    print(f"prefill grows {out['ms_per_token']:.4f} ms/token between {lo:g} and {hi:g} tokens; "
           f"stall budget = ITL cutoff {out['itl_cutoff_ms']:g} ms - decode step "
           f"{out['decode_step_ms']:.1f} ms = {out['stall_budget_ms']:.1f} ms")
     print(f"break-even: {out['break_even_tokens']:.0f} uncached tokens -> "

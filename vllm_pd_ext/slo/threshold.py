@@ -10,12 +10,12 @@ fits the inter-token budget: the SLO's ITL cutoff minus D's own decode step.
 Above that length, every local prefill breaks the ITL SLO of the streams it
 interrupts, and disaggregation repairs that.
 
-- **Prefill time against length.** A least-squares line through the
-  disaggregated deployment's P-leg medians (``breakdown.prefill_ms`` p50 at
-  the lowest offered rate, where P is not queueing), one point per prompt
-  length measured.
-- **Decode step.** D's median ITL at that rate.
-- **Break-even.** The length where ``intercept + slope * n`` reaches
+- **Prefill time against length.** The disaggregated deployment's P-leg
+  medians (``breakdown.prefill_ms`` p50 at the lowest offered rate, where P
+  queues least), one point per prompt length measured, joined by straight
+  lines.
+- **Decode step.** D's median ITL at that rate (the median over the runs).
+- **Break-even.** The length where that prefill time reaches
   ``itl_cutoff - decode_step``, rounded down to a whole 16 tokens.
 
 The verdicts of the same runs are the check: a length below the break-even
@@ -25,40 +25,51 @@ should not justify disaggregation, and one above it should.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROUND_TO = 16
 
 
-def fit_line(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through ``(x, y)``;
-    needs two distinct ``x``."""
-    xs = [float(x) for x, _ in samples]
-    ys = [float(y) for _, y in samples]
-    if len(set(xs)) < 2:
+def _points(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Samples sorted by length, repeated lengths averaged."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in samples:
+        by_x.setdefault(float(x), []).append(float(y))
+    if len(by_x) < 2:
         raise ValueError("the break-even needs runs at two or more prompt lengths")
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-             / sum((x - mx) ** 2 for x in xs))
-    return my - slope * mx, slope
+    return [(x, sum(ys) / len(ys)) for x, ys in sorted(by_x.items())]
 
 
 def break_even_tokens(prefill: Sequence[tuple[float, float]], itl_cutoff_ms: float,
                       decode_step_ms: float) -> dict[str, Any]:
-    """The break-even from ``(prompt tokens, prefill ms)`` samples."""
+    """The break-even from ``(prompt tokens, prefill ms)`` samples.
+
+    Prefill time is interpolated linearly between neighbouring measured
+    lengths (attention makes it superlinear, so one line through all of them
+    would misplace the crossing), and extended beyond the shortest or longest
+    length by the slope of the end segment.
+    """
     if not (itl_cutoff_ms > 0 and math.isfinite(itl_cutoff_ms)):
         raise ValueError(f"the ITL cutoff must be a number > 0 ms, got {itl_cutoff_ms!r}")
-    intercept, slope = fit_line(prefill)
-    if slope <= 0:
-        raise ValueError(f"prefill time does not grow with prompt length ({slope:.4f} ms per "
-                         "token): the runs are too noisy or too short to fit")
+    points = _points(prefill)
     budget = itl_cutoff_ms - decode_step_ms
-    raw = max(0.0, (budget - intercept) / slope)
-    return {"intercept_ms": intercept, "ms_per_token": slope, "itl_cutoff_ms": itl_cutoff_ms,
+    segment = len(points) - 2
+    for i in range(len(points) - 1):
+        if points[i + 1][1] >= budget:
+            segment = i
+            break
+    (x0, y0), (x1, y1) = points[segment], points[segment + 1]
+    slope = (y1 - y0) / (x1 - x0)
+    if slope <= 0:
+        raise ValueError(f"prefill time does not grow with prompt length between {x0:g} and "
+                         f"{x1:g} tokens ({slope:.4f} ms per token): the runs are too noisy "
+                         "or too short")
+    raw = max(0.0, x0 + (budget - y0) / slope)
+    return {"ms_per_token": slope, "segment": [x0, x1], "itl_cutoff_ms": itl_cutoff_ms,
             "decode_step_ms": decode_step_ms, "stall_budget_ms": budget,
-            "break_even_tokens": raw,
-            "threshold_tokens": int(raw // ROUND_TO * ROUND_TO)}
+            "break_even_tokens": raw, "threshold_tokens": int(raw // ROUND_TO * ROUND_TO)}
 
 
 def _lowest_point(dep: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -97,7 +108,6 @@ def from_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                      "verdict": (result.get("verdict") or {}).get("verdict")})
     if len(cutoffs) != 1:
         raise ValueError(f"the runs have different ITL cutoffs {sorted(cutoffs)}: use one SLO")
-    steps.sort()
-    out = break_even_tokens(samples, cutoffs.pop(), steps[len(steps) // 2])
+    out = break_even_tokens(samples, cutoffs.pop(), statistics.median(steps))
     out["runs"] = sorted(runs, key=lambda r: r["prompt_tokens"])
     return out
