@@ -55,11 +55,17 @@ def _result(tokens: int, prefill_ms: float, step_ms: float, itl_ms: float | None
 
 
 def test_from_results_uses_the_lowest_rate_and_keeps_the_verdicts():
-    out = from_results([_result(2000, 110.0, 5.0, 50, "justified"),
-                        _result(300, 25.0, 5.0, 50, "not justified")])
-    assert out["threshold_tokens"] == 688
+    out = from_results([_result(2000, 110.0, 5.0, 50, "disaggregation justified by this"),
+                        _result(300, 25.0, 5.0, 50, "disaggregation not justified by")])
+    assert out["threshold_tokens"] == 688 and not out["capped_by_verdict"]
     assert [r["prompt_tokens"] for r in out["runs"]] == [300, 2000]
-    assert [r["verdict"] for r in out["runs"]] == ["not justified", "justified"]
+    assert [r["verdict"][:18] for r in out["runs"]] == ["disaggregation not", "disaggregation jus"]
+    # A run that found disaggregation paying below the rule's 700 tokens caps it.
+    capped = from_results([_result(2000, 110.0, 5.0, 50, "disaggregation justified"),
+                           _result(500, 35.0, 5.0, 50, "disaggregation justified"),
+                           _result(300, 25.0, 5.0, 50, "disaggregation not justified")])
+    assert capped["break_even_tokens"] > 500 and capped["capped_by_verdict"]
+    assert capped["threshold_tokens"] == 496
     with pytest.raises(ValueError, match="different ITL cutoffs"):
         from_results([_result(2000, 110.0, 5.0, 50, "j"), _result(300, 25.0, 5.0, 80, "n")])
     with pytest.raises(ValueError, match="ITL cutoff"):

@@ -356,8 +356,11 @@ def threshold(results: list[dict[str, Any]]) -> dict[str, Any]:
     print(f"prefill grows {out['ms_per_token']:.4f} ms/token between {lo:g} and {hi:g} tokens; "
           f"stall budget = ITL cutoff {out['itl_cutoff_ms']:g} ms - decode step "
           f"{out['decode_step_ms']:.1f} ms = {out['stall_budget_ms']:.1f} ms")
-    print(f"break-even: {out['break_even_tokens']:.0f} uncached tokens -> "
-          f"vllm-pd-proxy --local-prefill-threshold {out['threshold_tokens']}")
+    print(f"break-even by the stall rule: {out['break_even_tokens']:.0f} uncached tokens")
+    if out["capped_by_verdict"]:
+        print(f"capped: disaggregation was measured to pay from "
+              f"{out['justified_from_tokens']:.0f} tokens, below the rule's break-even")
+    print(f"-> vllm-pd-proxy --local-prefill-threshold {out['threshold_tokens']}")
     return out
 
 

@@ -18,8 +18,11 @@ interrupts, and disaggregation repairs that.
 - **Break-even.** The length where that prefill time reaches
   ``itl_cutoff - decode_step``, rounded down to a whole 16 tokens.
 
-The verdicts of the same runs are the check: a length below the break-even
-should not justify disaggregation, and one above it should.
+The verdicts of the same runs are the check, and they take precedence over
+the rule. Under load, prefills that arrive together share one step, so the
+stall is longer than one prefill's. If a run found disaggregation justified
+at a length below the rule's break-even, the threshold is capped at that
+length.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 ROUND_TO = 16
+JUSTIFIED_PREFIX = "disaggregation justified"
 
 
 def _points(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -110,4 +114,16 @@ def from_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise ValueError(f"the runs have different ITL cutoffs {sorted(cutoffs)}: use one SLO")
     out = break_even_tokens(samples, cutoffs.pop(), statistics.median(steps))
     out["runs"] = sorted(runs, key=lambda r: r["prompt_tokens"])
+    # Under load prefills coalesce into one step (two arrivals, one longer
+    # stall), which the one-prefill stall rule does not see: where a run
+    # measured that disaggregation pays at a shorter length, that length wins.
+    justified = [r["prompt_tokens"] for r in runs
+                 if str(r["verdict"]).startswith(JUSTIFIED_PREFIX)]
+    bound = min(justified) if justified else None
+    out["justified_from_tokens"] = bound
+    if bound is not None and bound < out["break_even_tokens"]:
+        out["threshold_tokens"] = int(bound // ROUND_TO * ROUND_TO)
+        out["capped_by_verdict"] = True
+    else:
+        out["capped_by_verdict"] = False
     return out
