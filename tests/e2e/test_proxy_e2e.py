@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from tests.e2e.helpers import (
+    CACHE_HIT,
     EXTERNAL,
     KV_BYTES,
     assert_same_as_reference,
@@ -148,3 +150,48 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
     logged = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
               if r is not None and r.request_id == rec["request_id"]]
     assert [telemetry.to_dict(r) for r in logged] == [rec]
+
+
+def test_default_threshold_decides_on_uncached_tokens(ref: Engine, p: Engine, d: Engine,
+                                                      model: str) -> None:
+    """The proxy's conditional rule against real engines: a short prompt is
+    prefilled on D (no KV moves), a long one is disaggregated (its KV moves),
+    and the long one again with a short new suffix is prefilled on D because
+    D caches the rest, which D's own prefix-cache counter confirms. Every
+    output equals the collocated engine's."""
+    from vllm_pd_proxy.config import DEFAULT_LOCAL_PREFILL_THRESHOLD
+
+    threshold = DEFAULT_LOCAL_PREFILL_THRESHOLD
+    px = Proxy([p.url], [d.url], log_dir("proxy-threshold"),
+               args=["--local-prefill-threshold", str(threshold)]).start()
+    long_prompt = token_prompt(600, seed=1_401)
+    cases = [  # (prompt, KV tokens D must receive, D's prefix-cache hit tokens)
+        (token_prompt(threshold // 2, seed=1_402), 0, 0),
+        (long_prompt, 600, 0),
+        # 18 chunks of 32 tokens known to be on D: 124 uncached < threshold.
+        # D's cache holds the 4 whole 128-token blocks of the long prompt.
+        ([*long_prompt, *token_prompt(100, seed=1_403)], 0, 512),
+    ]
+    try:
+        px.wait_ready()
+        for prompt, moved, hit in cases:
+            body = completion_body(model, prompt, max_tokens=6)
+            _, want = ref.post("/v1/completions", body)
+            before, p_before = d.metrics(), p.metrics()
+            status, got = px.post("/v1/completions", body)
+            after, p_after = d.metrics(), p.metrics()
+            assert status == 200, got
+            assert_same_as_reference(ref, got, want)
+            assert delta(before, after, EXTERNAL) == moved, len(prompt)
+            assert delta(before, after, CACHE_HIT) == hit, len(prompt)
+            # P saw the long prompt only.
+            p_tokens = delta(p_before, p_after, "vllm:prompt_tokens_total")
+            assert p_tokens == (len(prompt) if moved else 0), len(prompt)
+        with urllib.request.urlopen(px.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        px.stop()
+    for decision, reason in (("local", "short_prompt"), ("remote", "long_prompt"),
+                             ("local", "prefix_hit")):
+        assert (f'pd_proxy_prefill_decisions_total{{decision="{decision}",reason="{reason}"}}'
+                f" 1.0") in text
