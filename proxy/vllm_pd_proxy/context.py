@@ -63,6 +63,8 @@ class RequestContext:
     # With --local-prefill-threshold: tokens minus what the chosen D probably
     # caches (None: not estimated).
     uncached_tokens: int | None = None
+    # With --local-prefill-threshold: the prompt's chunk keys (prompt.py).
+    chunk_keys: tuple[int, ...] = ()
     mode: str = "none"
     prefill: Backend | None = None
     decode: Backend | None = None

@@ -61,7 +61,7 @@ from .legs import (
     push_prefill_params,
 )
 from .metrics import Metrics
-from .prompt import chunk_keys, estimate_tokens
+from .prompt import inspect_prompt
 from .relay import (
     OpenedDecode,
     complete_response,
@@ -122,7 +122,10 @@ class Forwarder:
             del raw  # the parsed body replaces it; do not keep both alive
             reject_unsupported(body)
             ctx.stream = bool(body.get("stream"))
-            ctx.tokens = estimate_tokens(body, chat)
+            # The chunk keys only matter to conditional disaggregation.
+            config = self._config
+            chunks = config.prefix_chunk_tokens if config.local_prefill_threshold else None
+            ctx.tokens, ctx.chunk_keys = inspect_prompt(body, chat, chunks)
             headers = {"Content-Type": "application/json", "X-Request-Id": rid}
             auth = request.headers.get("Authorization")
             if auth:
@@ -197,7 +200,7 @@ class Forwarder:
             ctx.capture_kv = key is not None
             turn = self._take_turn(key) if key is not None else None
         affine = self._affine_decode(turn) if turn is not None else None
-        local, reason, decode, prefix = self._decide(ctx, body, affine, turn is not None)
+        local, reason, decode, prefix = self._decide(ctx, affine, turn is not None)
         self._metrics.decisions.labels("local" if local else "remote", reason).inc()
         try:
             return await self._run_flow(request, ctx, body, headers, local, decode, prefix, turn)
@@ -289,8 +292,7 @@ class Forwarder:
         return failed
 
     def _decide(
-        self, ctx: RequestContext, body: dict[str, Any], affine: Backend | None = None,
-        has_turn: bool = False,
+        self, ctx: RequestContext, affine: Backend | None = None, has_turn: bool = False,
     ) -> tuple[bool, str, Backend | None, tuple[int, ...] | None]:
         """(local?, reason, preselected D, chunk keys to remember on that D).
 
@@ -307,7 +309,7 @@ class Forwarder:
         if not threshold:
             return False, "always_remote", affine, None
         decode = affine or self._pick_decode(ctx)
-        keys = chunk_keys(body, ctx.chat, config.prefix_chunk_tokens)
+        keys = ctx.chunk_keys
         cached = 0
         if decode.prefixes is not None and keys:
             cached = decode.prefixes.cached_chunks(keys) * config.prefix_chunk_tokens

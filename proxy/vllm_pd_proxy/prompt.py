@@ -58,12 +58,29 @@ def _flatten(body: dict[str, Any], chat: bool) -> str | list[Any]:
     return ""
 
 
+def _count(flat: str | list[Any]) -> int:
+    return len(flat) // CHARS_PER_TOKEN if isinstance(flat, str) else len(flat)
+
+
 def estimate_tokens(body: dict[str, Any], chat: bool) -> int:
     """Estimated prompt tokens of a completion/chat request body."""
-    flat = _flatten(body, chat)
-    if isinstance(flat, str):
-        return len(flat) // CHARS_PER_TOKEN
-    return len(flat)
+    return _count(_flatten(body, chat))
+
+
+def _chain(flat: str | list[Any], chunk_tokens: int) -> tuple[int, ...]:
+    step = chunk_tokens * CHARS_PER_TOKEN if isinstance(flat, str) else chunk_tokens
+    keys: list[int] = []
+    prev = 0
+    for start in range(0, len(flat) - step + 1, step):
+        piece = flat[start:start + step]
+        try:
+            prev = hash((prev, piece if isinstance(piece, str) else tuple(piece)))
+        except TypeError:
+            # Not token ids (a client's garbage the engine will refuse):
+            # nothing from here on can match a cached prefix.
+            break
+        keys.append(prev)
+    return tuple(keys)
 
 
 def chunk_keys(body: dict[str, Any], chat: bool, chunk_tokens: int) -> tuple[int, ...]:
@@ -75,15 +92,16 @@ def chunk_keys(body: dict[str, Any], chat: bool, chunk_tokens: int) -> tuple[int
     it. The partial last chunk has no key: like a partial block, an engine
     does not cache it.
     """
+    return _chain(_flatten(body, chat), chunk_tokens)
+
+
+def inspect_prompt(body: dict[str, Any], chat: bool, chunk_tokens: int | None
+                   ) -> tuple[int, tuple[int, ...]]:
+    """:func:`estimate_tokens` and, unless ``chunk_tokens`` is None,
+    :func:`chunk_keys`, flattening the prompt once (a chat body's messages
+    are joined into one string: not worth doing twice per request)."""
     flat = _flatten(body, chat)
-    step = chunk_tokens * CHARS_PER_TOKEN if isinstance(flat, str) else chunk_tokens
-    keys: list[int] = []
-    prev = 0
-    for start in range(0, len(flat) - step + 1, step):
-        piece = flat[start:start + step]
-        prev = hash((prev, piece if isinstance(piece, str) else tuple(piece)))
-        keys.append(prev)
-    return tuple(keys)
+    return _count(flat), (() if chunk_tokens is None else _chain(flat, chunk_tokens))
 
 
 class PrefixChunks:

@@ -141,6 +141,17 @@ async def test_decides_on_uncached_tokens_of_the_chosen_decode(engines, proxy):
     assert 'pd_proxy_prefill_decisions_total{decision="remote",reason="long_prompt"} 3.0' in metrics
 
 
+async def test_hostile_token_ids_do_not_break_the_decision(engines, proxy):
+    """Unhashable items in a token-id prompt end the proxy's chunk chain; the
+    request is still forwarded (the engine, not the proxy, refuses such ids)."""
+    p, d = await engines("prefill"), await engines("decode")
+    client = await proxy([p], [d], local_prefill_threshold=100)
+    prompt = [*range(40), {"x": [1]}, *range(300)]
+    resp = await client.post("/v1/completions", json={"prompt": prompt})
+    assert resp.status == 200
+    assert len(p.legs()) == 1  # 341 tokens, nothing cached: remote
+
+
 async def test_a_prefix_cached_on_another_decode_does_not_count(engines, proxy):
     p = await engines("prefill")
     d0, d1 = await engines("decode"), await engines("decode")

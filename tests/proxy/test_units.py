@@ -12,7 +12,7 @@ from vllm_pd_proxy.config import ConfigError, ProxyConfig, normalize_url
 from vllm_pd_proxy.context import log_safe, sanitize_request_id
 from vllm_pd_proxy.errors import ProxyError
 from vllm_pd_proxy.legs import decode_body, prefill_body, push_decode_params
-from vllm_pd_proxy.prompt import PrefixChunks, chunk_keys, estimate_tokens
+from vllm_pd_proxy.prompt import PrefixChunks, chunk_keys, estimate_tokens, inspect_prompt
 from vllm_pd_proxy.relay import OversizedEvent, read_events, split_events
 
 
@@ -71,6 +71,15 @@ def test_chunk_keys_chain_like_block_hashes():
     )
     assert len(chunk_keys({"prompt": list(range(20))}, False, 8)) == 2
     assert chunk_keys({"prompt": "short"}, False, 8) == ()
+    # A hostile id list (unhashable items) ends the chain there, without raising.
+    hostile = [*range(8), {"x": 1}, *range(20)]
+    assert chunk_keys({"prompt": hostile}, False, 8) == chunk_keys(
+        {"prompt": list(range(8))}, False, 8
+    )
+    assert inspect_prompt({"prompt": hostile}, False, 8) == (29, chunk_keys(
+        {"prompt": list(range(8))}, False, 8
+    ))
+    assert inspect_prompt({"prompt": "abcd" * 100}, False, None) == (100, ())
     chat = {"messages": [{"role": "user", "content": "q" * 300}]}
     assert len(chunk_keys(chat, True, 8)) == (len("user") + 2 + 300) // 32
 
