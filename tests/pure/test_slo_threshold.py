@@ -6,6 +6,7 @@ import pytest
 
 from vllm_pd_ext.slo.cli import main
 from vllm_pd_ext.slo.threshold import break_even_tokens, from_results
+from vllm_pd_ext.slo.verdict import JUSTIFIED, NOT_JUSTIFIED
 
 
 def test_break_even_is_where_the_stall_fills_the_itl_budget():
@@ -55,21 +56,24 @@ def _result(tokens: int, prefill_ms: float, step_ms: float, itl_ms: float | None
 
 
 def test_from_results_uses_the_lowest_rate_and_keeps_the_verdicts():
-    out = from_results([_result(2000, 110.0, 5.0, 50, "disaggregation justified by this"),
-                        _result(300, 25.0, 5.0, 50, "disaggregation not justified by")])
+    out = from_results([_result(2000, 110.0, 5.0, 50, JUSTIFIED),
+                        _result(300, 25.0, 5.0, 50, NOT_JUSTIFIED)])
     assert out["threshold_tokens"] == 688 and not out["capped_by_verdict"]
     assert [r["prompt_tokens"] for r in out["runs"]] == [300, 2000]
     assert [r["verdict"][:18] for r in out["runs"]] == ["disaggregation not", "disaggregation jus"]
     # A run that found disaggregation paying below the rule's 700 tokens caps it.
-    capped = from_results([_result(2000, 110.0, 5.0, 50, "disaggregation justified"),
-                           _result(500, 35.0, 5.0, 50, "disaggregation justified"),
-                           _result(300, 25.0, 5.0, 50, "disaggregation not justified")])
+    capped = from_results([_result(2000, 110.0, 5.0, 50, JUSTIFIED),
+                           _result(500, 35.0, 5.0, 50, JUSTIFIED),
+                           _result(300, 25.0, 5.0, 50, NOT_JUSTIFIED)])
     assert capped["break_even_tokens"] > 500 and capped["capped_by_verdict"]
     assert capped["threshold_tokens"] == 496
     with pytest.raises(ValueError, match="different ITL cutoffs"):
         from_results([_result(2000, 110.0, 5.0, 50, "j"), _result(300, 25.0, 5.0, 80, "n")])
     with pytest.raises(ValueError, match="ITL cutoff"):
         from_results([_result(2000, 110.0, 5.0, None, "j"), _result(300, 25.0, 5.0, None, "n")])
+    with pytest.raises(ValueError, match="prompt-tokens"):
+        from_results([dict(_result(2000, 110.0, 5.0, 50, JUSTIFIED), config={}),
+                      _result(300, 25.0, 5.0, 50, NOT_JUSTIFIED)])
     with pytest.raises(ValueError, match="disaggregated deployment"):
         from_results([{"config": {"prompt_tokens": 300}, "deployments": {}}])
 

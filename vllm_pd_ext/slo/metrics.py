@@ -58,8 +58,8 @@ class RequestResult(msgspec.Struct, kw_only=True):
     #: The proxy's ``pd_telemetry`` dict, opaque here (``breakdown``).
     telemetry: dict[str, Any] | None = None
     warmup: bool = False
-    #: The generated text (temperature 0: the same trace gives the same text
-    #: on every correct deployment, which the end-to-end test checks).
+    #: The generated text (the trace is greedy: a reader can compare
+    #: deployments request by request).
     text: str = ""
     #: The generated token ids, when the server sends them (vLLM with
     #: ``--extra-body '{"return_token_ids": true}'``).

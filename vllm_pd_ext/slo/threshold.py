@@ -32,8 +32,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm_pd_ext.slo.verdict import JUSTIFIED
+
 ROUND_TO = 16
-JUSTIFIED_PREFIX = "disaggregation justified"
 
 
 def _points(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -103,6 +104,8 @@ def from_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if prefill is None or step is None or itl is None:
             raise ValueError("a result without P-leg telemetry, ITL or an ITL cutoff "
                              "(run compare with --slo itl:...)")
+        if not isinstance(config.get("prompt_tokens"), int | float):
+            raise ValueError("a result without its --prompt-tokens (run compare)")
         tokens = float(config["prompt_tokens"])
         samples.append((tokens, float(prefill)))
         steps.append(float(step))
@@ -117,8 +120,7 @@ def from_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     # Under load prefills coalesce into one step (two arrivals, one longer
     # stall), which the one-prefill stall rule does not see: where a run
     # measured that disaggregation pays at a shorter length, that length wins.
-    justified = [r["prompt_tokens"] for r in runs
-                 if str(r["verdict"]).startswith(JUSTIFIED_PREFIX)]
+    justified = [r["prompt_tokens"] for r in runs if r["verdict"] == JUSTIFIED]
     bound = min(justified) if justified else None
     out["justified_from_tokens"] = bound
     if bound is not None and bound < out["break_even_tokens"]:
