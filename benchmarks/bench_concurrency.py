@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import benchstats
-from bench_push_pull import PinnedEngine, Stack
+from bench_push_pull import Stack
 from benchstats import pct
 
 from vllm_pd_ext.testing.engines import REPO, Engine
@@ -154,11 +154,11 @@ class Collocated:
     mode = "collocated"
 
     def __init__(self, model: str, args: argparse.Namespace, log_dir: Path) -> None:
-        cls = PinnedEngine if args.pin == "taskset" else Engine
         common: dict[str, Any] = dict(connector=None, kv_bytes=args.kv_bytes,
-                                      max_model_len=args.max_model_len)
-        self.engines = [cls(f"colo-{i}", model, log_dir / "collocated", cpu_bind=str(i),
-                            **common) for i in (0, 1)]
+                                      max_model_len=args.max_model_len,
+                                      taskset=args.pin == "taskset")
+        self.engines = [Engine(f"colo-{i}", model, log_dir / "collocated", cpu_bind=str(i),
+                               **common) for i in (0, 1)]
 
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]

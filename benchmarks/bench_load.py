@@ -52,10 +52,9 @@ from bench_concurrency import (
     say,
     summarize,
 )
-from bench_push_pull import PinnedEngine
 
 from vllm_pd_ext.testing import netns
-from vllm_pd_ext.testing.engines import REPO, Proxy
+from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 
 sys.path.insert(0, str(REPO))
 from tests.e2e.helpers import build_model, token_prompt
@@ -80,10 +79,10 @@ class Pools:
         def host(i: int) -> netns.Host | None:
             return hosts[i] if hosts is not None else None
 
-        self.ps = [PinnedEngine(f"p{i}", model, logs, role="kv_producer", cpu_bind=p_cores[i],
-                                host=host(i), **common) for i in range(n)]
-        self.ds = [PinnedEngine(f"d{i}", model, logs, role="kv_consumer", cpu_bind=d_cores[i],
-                                host=host(n + i), **common) for i in range(n)]
+        self.ps = [Engine(f"p{i}", model, logs, role="kv_producer", cpu_bind=p_cores[i],
+                          host=host(i), taskset=True, **common) for i in range(n)]
+        self.ds = [Engine(f"d{i}", model, logs, role="kv_consumer", cpu_bind=d_cores[i],
+                          host=host(n + i), taskset=True, **common) for i in range(n)]
         self.proxy = Proxy([p.url for p in self.ps], [d.url for d in self.ds], logs,
                            args=["--transfer-mode", mode])
 

@@ -141,15 +141,6 @@ def wait_idle(limit_s: float) -> None:
 # one P/D pair + proxy per transfer mode
 # --------------------------------------------------------------------------
 
-class PinnedEngine(Engine):
-    """An Engine whose every process (API server, engine core, worker) is confined to
-    its ``cpu_bind`` cores, not only the worker's OpenMP threads."""
-
-    def command(self) -> list[str]:
-        assert self.cpu_bind is not None
-        return ["taskset", "-c", self.cpu_bind, *super().command()]
-
-
 class Stack:
     def __init__(self, mode: str, model: str, args: argparse.Namespace, log_dir: Path) -> None:
         self.mode = mode
@@ -160,11 +151,11 @@ class Stack:
                      if args.max_model_len > 4096 else [])
         common: dict[str, Any] = dict(connector="PDConnector", kv_bytes=args.kv_bytes,
                                       max_model_len=args.max_model_len, extra_config=extra,
-                                      extra_args=overrides)
-        cls = PinnedEngine if getattr(args, "taskset", False) else Engine
-        self.p = cls(f"{mode}-p", model, self.log_dir, role="kv_producer", cpu_bind="0",
+                                      extra_args=overrides,
+                                      taskset=getattr(args, "taskset", False))
+        self.p = Engine(f"{mode}-p", model, self.log_dir, role="kv_producer", cpu_bind="0",
                      **common)
-        self.d = cls(f"{mode}-d", model, self.log_dir, role="kv_consumer", cpu_bind="1",
+        self.d = Engine(f"{mode}-d", model, self.log_dir, role="kv_consumer", cpu_bind="1",
                      **common)
         self.proxy = Proxy([self.p.url], [self.d.url], self.log_dir,
                            args=["--transfer-mode", mode])
