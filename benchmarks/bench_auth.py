@@ -40,9 +40,9 @@ from typing import Any
 import bench_proxy
 import benchstats
 
-from vllm_pd_ext import auth
-from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.testing.engines import REPO, Engine, running
+from vllm_pd_ext.wire import auth
+from vllm_pd_ext.wire import protocol as proto
 
 sys.path.insert(0, str(REPO))
 from tests.e2e.helpers import build_model, completion_body, token_prompt

@@ -184,10 +184,10 @@ def transport_probe(geo: Geometry, lengths: list[int], reps: int, huge: bool
     """
     import multiprocessing as mp
 
-    from vllm_pd_ext.coalesce import build_descriptors
-    from vllm_pd_ext.protocol import Region
     from vllm_pd_ext.transport import XferState
+    from vllm_pd_ext.transport.coalesce import build_descriptors
     from vllm_pd_ext.transport.nixl import NixlTransport
+    from vllm_pd_ext.wire.protocol import Region
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     need = max(blocks_for(n) for n in lengths)

@@ -67,10 +67,10 @@ def _vllm_config() -> Any:
 
 
 def _scheduler(mode: str, num_leases: int) -> Any:
-    from vllm_pd_ext import protocol as proto
     from vllm_pd_ext.compat import RequestStatus
     from vllm_pd_ext.config import PDConfig
-    from vllm_pd_ext.scheduler import PDScheduler
+    from vllm_pd_ext.scheduler.dispatcher import PDScheduler
+    from vllm_pd_ext.wire import protocol as proto
 
     sched = PDScheduler(_vllm_config(), PDConfig.from_extra_config({"transfer_mode": mode}))
     sched.bind_gpu_block_pool(_BlockPool(num_leases + 1))

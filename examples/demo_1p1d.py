@@ -16,9 +16,9 @@ import secrets
 import sys
 import time
 
-from vllm_pd_ext import auth
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 from vllm_pd_ext.testing.oracle import compare, near_tie_nats, output_of
+from vllm_pd_ext.wire import auth
 
 PROMPT = (
     "def fibonacci(n):\n"

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - older vLLM is not supported
     raise ImportError("vllm_pd_ext needs vLLM >= 0.32 (KVConnectorTransferResults)") from None
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.protocol import CompatInfo, Region
+from vllm_pd_ext.wire.protocol import CompatInfo, Region
 
 logger = get_logger(__name__)
 
@@ -170,7 +170,7 @@ def kv_layout_name(vllm_config: VllmConfig) -> str:
 
 
 def compat_info(vllm_config: VllmConfig, transfer_mode: str) -> CompatInfo:
-    from vllm_pd_ext.protocol import PROTOCOL_VERSION
+    from vllm_pd_ext.wire.protocol import PROTOCOL_VERSION
 
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_pd_ext.auth import FrameAuth, Keyring, SecretError
+from vllm_pd_ext.wire.auth import FrameAuth, Keyring, SecretError
 
 
 class ConfigError(ValueError):

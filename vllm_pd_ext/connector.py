@@ -21,8 +21,8 @@ from vllm_pd_ext.metadata import PDConnectorMetadata
 from vllm_pd_ext.stats import PDPromMetrics, PDStats
 
 if TYPE_CHECKING:
-    from vllm_pd_ext.scheduler import PDScheduler
-    from vllm_pd_ext.worker import PDWorker
+    from vllm_pd_ext.scheduler.dispatcher import PDScheduler
+    from vllm_pd_ext.worker.dispatcher import PDWorker
 
 
 class PDConnector(KVConnectorBase_V1):
@@ -35,11 +35,11 @@ class PDConnector(KVConnectorBase_V1):
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_pd_ext.scheduler import PDScheduler
+            from vllm_pd_ext.scheduler.dispatcher import PDScheduler
 
             self._scheduler = PDScheduler(vllm_config, cfg)
         else:
-            from vllm_pd_ext.worker import PDWorker
+            from vllm_pd_ext.worker.dispatcher import PDWorker
 
             self._worker = PDWorker(vllm_config, cfg)
 

@@ -28,10 +28,10 @@ import json
 import sys
 import time
 
-from vllm_pd_ext import auth
 from vllm_pd_ext.config import ConfigError, PDConfig, extra_config_from_argv
 from vllm_pd_ext.drain import ASGIApp, Message, Receive, Scope, Send
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.wire import auth
 
 logger = get_logger(__name__)
 

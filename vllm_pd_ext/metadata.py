@@ -9,8 +9,8 @@ from vllm_pd_ext.compat import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
-from vllm_pd_ext.protocol import AgentInfo
-from vllm_pd_ext.telemetry import TransferRecord
+from vllm_pd_ext.wire.protocol import AgentInfo
+from vllm_pd_ext.wire.telemetry import TransferRecord
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd_ext.bidir import FALLBACK_LABELS
 from vllm_pd_ext.compat import KVConnectorPromMetrics, KVConnectorStats
+from vllm_pd_ext.scheduler.bidir import FALLBACK_LABELS
 
 COUNTERS = (
     "num_transfers",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from vllm_pd_ext.auth import DEFAULT_SECRET_ENV, Keyring, SecretError
+from vllm_pd_ext.wire.auth import DEFAULT_SECRET_ENV, Keyring, SecretError
 
 from . import __version__
 from .config import TRANSFER_MODES, ConfigError, ProxyConfig

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from vllm_pd_ext.auth import Keyring
+from vllm_pd_ext.wire.auth import Keyring
 
 TransferMode = Literal["pull", "push"]
 TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
@@ -104,7 +104,7 @@ class ProxyConfig:
     # config may be logged or printed, the key must not be.
     backend_api_key: str | None = field(default=None, repr=False)
     # The shared secret(s) that sign every leg's kv_transfer_params
-    # (vllm_pd_ext.auth); None: legs unsigned (isolated networks only).
+    # (vllm_pd_ext.wire.auth); None: legs unsigned (isolated networks only).
     auth: Keyring | None = field(default=None, repr=False)
     # Multi-turn (vllm_pd_proxy.conversations): D keeps each turn's KV and the
     # next turn's P reads it back; conversations remembered, and for how long.

@@ -4,7 +4,7 @@ Pure (no I/O); one :class:`ConversationStore` per proxy, used by
 :mod:`vllm_pd_proxy.forward` on the event loop only.
 
 After a turn, D's answer carries ``kv_transfer_params`` naming the blocks it
-kept (``vllm_pd_ext.bidir``). The proxy takes them out of the answer (the
+kept (``vllm_pd_ext.scheduler.bidir``). The proxy takes them out of the answer (the
 client never sees engine addresses), files them under the conversation's
 key, and on the next turn:
 
@@ -43,7 +43,7 @@ EXPIRY_MARGIN_S = 5.0
 MAX_KEY_LEN = 256
 #: Bytes counted per entry besides its params (key, URL, objects).
 _ENTRY_OVERHEAD = 256
-#: Blocks per kept turn accepted from a D (vllm_pd_ext.protocol.MAX_BLOCKS).
+#: Blocks per kept turn accepted from a D (vllm_pd_ext.wire.protocol.MAX_BLOCKS).
 MAX_BLOCKS = 1 << 20
 _HASH = re.compile(r"[0-9a-f]{16}")
 #: The kv_transfer_params fields P needs to read a kept turn back.

@@ -43,7 +43,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from vllm_pd_ext.auth import body_prompt_digest, sign_leg
+from vllm_pd_ext.wire.auth import body_prompt_digest, sign_leg
 
 from . import errors
 from .admission import PrefillGate, PrefillSlot

@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_pd_ext.auth import sign_leg
+from vllm_pd_ext.wire.auth import sign_leg
 
 from . import errors
 from .backends import Backend, Pool, PrefillIdentity

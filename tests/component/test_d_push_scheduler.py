@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.d_push_scheduler import (
+from vllm_pd_ext.scheduler.d_push import (
     ABORT_RETRY_S,
     DONE_GRACE_S,
     EventKind,
@@ -16,7 +15,8 @@ from vllm_pd_ext.d_push_scheduler import (
     PushEvent,
     WaitState,
 )
-from vllm_pd_ext.side_channel import SideChannelError
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelError
 
 PUSH_TIMEOUT = 10.0
 SC_TIMEOUT = 2.0

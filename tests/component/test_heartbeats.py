@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 from pdunit_utils import free_port, wait_for
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.heartbeats import HeartbeatSender
-from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.side_channel import LeaseService, SideChannelServer
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import LeaseService, SideChannelServer
 
 HOST = "127.0.0.1"
 COMPAT = proto.CompatInfo(protocol_version=1, model="m", dtype="bfloat16", block_size=128,
@@ -112,7 +112,7 @@ def test_sender_thread_survives_any_exception_and_serves_other_peers(p_side, mon
                                                                      ) -> None:
     """An unexpected exception while talking to one P (here: a bug injected
     into the client) is logged; the thread goes on renewing other Ps' leases."""
-    from vllm_pd_ext.side_channel import SideChannelClient
+    from vllm_pd_ext.wire.side_channel import SideChannelClient
 
     leases, port = p_side
     with leases.lock:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vllm_pd_ext.hugepages import prefer_huge_pages
+from vllm_pd_ext.worker.hugepages import prefer_huge_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 

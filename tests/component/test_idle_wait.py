@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from vllm_pd_ext.idle_wait import IdleWait, Waker, should_wait
+from vllm_pd_ext.wire.wakeup import IdleWait, Waker, should_wait
 
 TIMEOUT_S = 0.2
 #: A woken wait returns well before its timeout.

@@ -14,9 +14,9 @@ import time
 import zmq
 from pdunit_utils import free_port, wait_for
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.outbox import Outbox
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
@@ -97,7 +97,7 @@ def test_closed_outbox_drops_new_messages() -> None:
 def test_lane_survives_an_unexpected_exception(monkeypatch) -> None:
     """A bug while sending one message fails that message (its callback
     hears a SideChannelError); the lane goes on with the next one."""
-    from vllm_pd_ext.side_channel import SideChannelClient
+    from vllm_pd_ext.wire.side_channel import SideChannelClient
 
     port, rec = free_port(), Recorder()
     srv = SideChannelServer(HOST, port, "eng-p", COMPAT, {}, None, push=rec)

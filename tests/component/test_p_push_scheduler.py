@@ -10,11 +10,11 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.p_push_scheduler import PushProducer
-from vllm_pd_ext.pushbook import PushState
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
+from vllm_pd_ext.scheduler.p_push import PushProducer
+from vllm_pd_ext.scheduler.pushbook import PushState
+from vllm_pd_ext.wire import protocol as proto
 
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
                           block_size=16, kv_layout="NHD", num_layers=2, num_kv_heads=1,

@@ -16,17 +16,17 @@ import torch
 from pdunit_utils import free_port, wait_for
 from test_worker_fake import BLOCK, fake_vllm_config, kv_tensors
 
-from vllm_pd_ext import d_pull_worker
-from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
-from vllm_pd_ext.heartbeats import HeartbeatSender
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseTable
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
 from vllm_pd_ext.policy import FailureReason
-from vllm_pd_ext.side_channel import SideChannelServer
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
-from vllm_pd_ext.worker import PDWorker
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.worker import d_pull as d_pull_worker
+from vllm_pd_ext.worker.dispatcher import PDWorker
 
 HOST = "127.0.0.1"
 
@@ -274,7 +274,7 @@ def test_peers_that_come_and_go_leave_nothing_behind(world, monkeypatch) -> None
     starting level once idle past their TTLs."""
     monkeypatch.setattr(d_pull_worker, "PEER_IDLE_TTL_S", 0.3)
     monkeypatch.setattr(d_pull_worker, "REAP_EVERY_S", 0.05)
-    from vllm_pd_ext import outbox
+    from vllm_pd_ext.wire import outbox
     monkeypatch.setattr(outbox, "LANE_IDLE_TTL_S", 0.3)
     make_p, d, _, d_transport = world
     drv = Driver(d)

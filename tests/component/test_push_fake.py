@@ -20,15 +20,15 @@ import pytest
 import zmq
 from pdunit_utils import free_port, wait_for
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.d_push_worker import PushReceiver
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PushRecvSpec
-from vllm_pd_ext.p_push_worker import Pusher
-from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.worker.d_push import PushReceiver
+from vllm_pd_ext.worker.p_push import Pusher
 
 HOST = "127.0.0.1"
 BLOCK = 256

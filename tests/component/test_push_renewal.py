@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import pytest
 import zmq
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.d_push_scheduler import PushConsumer, WaitState
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseTable
-from vllm_pd_ext.p_push_scheduler import PushProducer
-from vllm_pd_ext.pushbook import PushState
-from vllm_pd_ext.side_channel import SideChannelError
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseTable
+from vllm_pd_ext.scheduler.d_push import PushConsumer, WaitState
+from vllm_pd_ext.scheduler.p_push import PushProducer
+from vllm_pd_ext.scheduler.pushbook import PushState
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelError
 
 QUEUED = proto.PushAcceptedState.QUEUED
 WAITING = proto.PushAcceptedState.WAITING

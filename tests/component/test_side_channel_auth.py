@@ -18,11 +18,11 @@ import pytest
 import zmq
 from pdunit_utils import FakeClock, free_port
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth, Keyring
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError, SideChannelServer
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth, Keyring
+from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError, SideChannelServer
 
 HOST = "127.0.0.1"
 SECRET = "s3cret-for-tests-0123456789"

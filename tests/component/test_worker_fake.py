@@ -14,16 +14,16 @@ import pytest
 import torch
 from pdunit_utils import free_port, wait_for
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.config import PDConfig
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
-from vllm_pd_ext.side_channel import SideChannelServer
 from vllm_pd_ext.transport import XferState
+from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
-from vllm_pd_ext.worker import PDWorker
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.worker.dispatcher import PDWorker
 
 HOST = "127.0.0.1"
 NUM_BLOCKS = 12

@@ -16,9 +16,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from vllm_pd_ext import auth
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
+from vllm_pd_ext.wire import auth
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
 
 
 def side_channel(client: SideChannelClient, host: str, port: int,

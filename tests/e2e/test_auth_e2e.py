@@ -34,8 +34,8 @@ from tests.e2e.helpers import (
     poke,
     token_prompt,
 )
-from vllm_pd_ext import auth
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
+from vllm_pd_ext.wire import auth
 
 pytestmark = pytest.mark.engine
 

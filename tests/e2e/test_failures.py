@@ -20,8 +20,8 @@ from tests.e2e.helpers import (
     prefill,
     token_prompt,
 )
-from vllm_pd_ext import telemetry
 from vllm_pd_ext.testing.engines import Engine, running
+from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
 

@@ -18,9 +18,9 @@ from tests.e2e.helpers import (
     stream_text,
     token_prompt,
 )
-from vllm_pd_ext import telemetry
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
+from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,8 @@ from tests.e2e.helpers import (
     pd_complete,
     token_prompt,
 )
-from vllm_pd_ext.sizing import load_config, spec_from_config
 from vllm_pd_ext.testing.engines import Engine
+from vllm_pd_ext.tools.sizing.formula import load_config, spec_from_config
 
 pytestmark = pytest.mark.engine
 

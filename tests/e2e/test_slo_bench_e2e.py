@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import EXTERNAL, delta, log_dir
-from vllm_pd_ext.slo.cli import main
-from vllm_pd_ext.slo.trace import make_trace
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import compare, near_tie_nats
+from vllm_pd_ext.tools.slo.cli import main
+from vllm_pd_ext.tools.slo.trace import make_trace
 
 pytestmark = pytest.mark.engine
 

@@ -13,7 +13,7 @@ import pytest
 from vllm_pd_proxy.cli import build_parser, config_from_args
 from vllm_pd_proxy.config import ConfigError
 
-from vllm_pd_ext import auth
+from vllm_pd_ext.wire import auth
 
 SECRET = "s3cret-for-tests-0123456789"
 KR = auth.Keyring.parse(SECRET, "test")

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from vllm_pd_ext.slo.client import (
+from vllm_pd_ext.tools.slo.client import (
     LeastInFlight,
     Progress,
     SSEError,
@@ -26,7 +26,7 @@ from vllm_pd_ext.slo.client import (
     StreamRecorder,
     run_point,
 )
-from vllm_pd_ext.slo.trace import TraceRequest
+from vllm_pd_ext.tools.slo.trace import TraceRequest
 
 Handler = Callable[[web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from vllm_pd_ext import auth
 from vllm_pd_ext.config import ConfigError, PDConfig
+from vllm_pd_ext.wire import auth
 
 SECRET = "s3cret-for-tests-0123456789"
 OTHER = "another-secret-9876543210"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext import bidir
-from vllm_pd_ext.bidir import Fallback, KeptTurns, ReadBackPlan, plan_readback
+from vllm_pd_ext.scheduler import bidir
+from vllm_pd_ext.scheduler.bidir import Fallback, KeptTurns, ReadBackPlan, plan_readback
 
 BS = 16
 

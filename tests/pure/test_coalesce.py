@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from vllm_pd_ext.coalesce import block_runs, build_descriptors, merge_adjacent
-from vllm_pd_ext.protocol import Region
+from vllm_pd_ext.transport.coalesce import block_runs, build_descriptors, merge_adjacent
+from vllm_pd_ext.wire.protocol import Region
 
 BLEN = 64
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_pd_ext import protocol
 from vllm_pd_ext.config import MIN_LEASE_S, NIXL_BACKENDS, TRANSFER_MODES, ConfigError, PDConfig
 from vllm_pd_ext.transport import base as transport_base
+from vllm_pd_ext.wire import protocol
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 SRC = Path(__file__).resolve().parents[2] / "vllm_pd_ext"
@@ -137,7 +137,7 @@ def test_protocol_version_in_architecture_md():
     assert stated, "docs/architecture.md no longer states `PROTOCOL_VERSION = N`"
     assert set(stated) == {str(protocol.PROTOCOL_VERSION)}, (
         f"docs/architecture.md says PROTOCOL_VERSION = {stated}, "
-        f"vllm_pd_ext.protocol has {protocol.PROTOCOL_VERSION}")
+        f"vllm_pd_ext.wire.protocol has {protocol.PROTOCOL_VERSION}")
 
 
 def test_every_transfer_mode_is_documented():

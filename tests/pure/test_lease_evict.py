@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdunit_utils import FakeClock
 
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 
 
 def test_kept_turn_waits_its_own_ttl_then_renews_like_any_lease():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.leases import Consumer, LeaseState, LeaseTable
-from vllm_pd_ext.protocol import LEASE_EXPIRED, LEASE_UNKNOWN
+from vllm_pd_ext.leases.table import Consumer, LeaseState, LeaseTable
+from vllm_pd_ext.wire.protocol import LEASE_EXPIRED, LEASE_UNKNOWN
 
 
 @pytest.fixture
@@ -355,7 +355,7 @@ def test_tombstones_bounded_with_many_expiries(clock):
 def test_sweep_and_has_released_touch_only_what_changed(clock, monkeypatch):
     """The step's path (sweep + has_released) reads no lease that neither
     came due nor was released: its cost does not grow with the live leases."""
-    from vllm_pd_ext import leases as leases_mod
+    from vllm_pd_ext.leases import table as leases_mod
 
     reads = [0]
 
@@ -484,7 +484,7 @@ def test_pin_on_a_writing_lease_takes_no_holder(table):
 
 
 def test_holders_per_lease_are_bounded(table, monkeypatch):
-    from vllm_pd_ext import leases as leases_mod
+    from vllm_pd_ext.leases import table as leases_mod
 
     monkeypatch.setattr(leases_mod, "MAX_HOLDERS", 3)
     table.grant("r")

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from vllm_pd_ext import auth
 from vllm_pd_ext.leg_auth import LegAuthMiddleware, keyring_from_argv
+from vllm_pd_ext.wire import auth
 
 SECRET = "s3cret-for-tests-0123456789"
 KR = auth.Keyring.parse(SECRET, "test")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.protocol import ParamsError, decode_params
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.protocol import ParamsError, decode_params
 
 
 def pull_params(**over):

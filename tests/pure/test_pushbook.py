@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.protocol import PushAbortState
-from vllm_pd_ext.pushbook import Match, Prefill, PushBook, PushRefused, PushState
+from vllm_pd_ext.scheduler.pushbook import Match, Prefill, PushBook, PushRefused, PushState
+from vllm_pd_ext.wire.protocol import PushAbortState
 
 TTL = 5.0
 
@@ -241,7 +241,7 @@ def test_deadline_heap_stays_bounded_under_churn(book, clock):
 def test_sweep_touches_only_due_registrations(book, clock, monkeypatch):
     """P's step sweeps the book: its cost must not grow with the number of
     registrations still waiting for their prefill."""
-    from vllm_pd_ext import pushbook as pushbook_mod
+    from vllm_pd_ext.scheduler import pushbook as pushbook_mod
 
     reads = [0]
 

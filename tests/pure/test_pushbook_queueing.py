@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.pushbook import Match, Prefill, PushBook, PushState
+from vllm_pd_ext.scheduler.pushbook import Match, Prefill, PushBook, PushState
 
 TTL = 5.0
 

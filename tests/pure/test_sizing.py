@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from vllm_pd_ext.size_cli import main
-from vllm_pd_ext.sizing import KVSpec, SizingError, handoff, report, spec_from_config
+from vllm_pd_ext.tools.sizing.cli import main
+from vllm_pd_ext.tools.sizing.formula import KVSpec, SizingError, handoff, report, spec_from_config
 
 SEED = KVSpec(layers=80, kv_heads=8, head_dim=128, bytes_per_element=2)
 LLAMA_70B = {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -96,7 +96,7 @@ def test_cli_reader_closing_the_pipe_is_not_a_traceback():
     """`vllm-pd-size ... | grep -q X` closes the pipe early: the command ends
     quietly (status 1, nothing on stderr), as CI's packaging check found."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from vllm_pd_ext.size_cli import main; main()",
+        [sys.executable, "-c", "from vllm_pd_ext.tools.sizing.cli import main; main()",
          "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--kv-dtype", "bf16",
          *[a for n in range(200, 4200, 200) for a in ("--tokens", str(n))]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.slo.breakdown import summarize_breakdowns, ttft_breakdown
-from vllm_pd_ext.slo.metrics import RequestResult
+from vllm_pd_ext.tools.slo.breakdown import summarize_breakdowns, ttft_breakdown
+from vllm_pd_ext.tools.slo.metrics import RequestResult
 
 
 def telemetry(mode: str = "pull", *, sent: float = 0.4, done: float = 35.2,

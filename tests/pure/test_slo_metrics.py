@@ -9,7 +9,7 @@ import math
 import msgspec
 import pytest
 
-from vllm_pd_ext.slo.metrics import (
+from vllm_pd_ext.tools.slo.metrics import (
     SLO,
     Gates,
     RequestResult,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.slo.cli import main
-from vllm_pd_ext.slo.threshold import break_even_tokens, from_results
-from vllm_pd_ext.slo.verdict import JUSTIFIED, NOT_JUSTIFIED
+from vllm_pd_ext.tools.slo.cli import main
+from vllm_pd_ext.tools.slo.threshold import break_even_tokens, from_results
+from vllm_pd_ext.tools.slo.verdict import JUSTIFIED, NOT_JUSTIFIED
 
 
 def test_break_even_is_where_the_stall_fills_the_itl_budget():

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from vllm_pd_ext.slo.trace import make_trace
+from vllm_pd_ext.tools.slo.trace import make_trace
 
 BASE = dict(num_requests=20, warmup=3, prompt_tokens=16, output_tokens=8, seed=7)
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from vllm_pd_ext.slo.metrics import Gates, RequestResult
-from vllm_pd_ext.slo.plots import plot_all
-from vllm_pd_ext.slo.verdict import (
+from vllm_pd_ext.tools.slo.metrics import Gates, RequestResult
+from vllm_pd_ext.tools.slo.plots import plot_all
+from vllm_pd_ext.tools.slo.verdict import (
     JUSTIFIED,
     NEITHER_PASSED,
     NOT_JUSTIFIED,
@@ -165,7 +165,7 @@ def test_plots_with_matplotlib(tmp_path):
 def _swept(name: str, max_itl_s: float, slo: str) -> dict:
     """A deployment as the benchmark stores it: 10 requests at 1 rps whose
     largest token gap is ``max_itl_s``, summarized under ``slo``."""
-    from vllm_pd_ext.slo.metrics import Gates, parse_slo, summarize
+    from vllm_pd_ext.tools.slo.metrics import Gates, parse_slo, summarize
 
     results = [RequestResult(index=i, scheduled_s=float(i), sent_s=float(i), prompt_tokens=4,
                              output_tokens=3, ok=True, ttft_s=0.1, e2e_s=0.3,
@@ -179,7 +179,7 @@ def _swept(name: str, max_itl_s: float, slo: str) -> dict:
 def test_verdict_rejudges_stored_requests_under_another_slo(tmp_path, capsys):
     import json
 
-    from vllm_pd_ext.slo.cli import main
+    from vllm_pd_ext.tools.slo.cli import main
 
     result = {"deployments": {"aggregated": _swept("aggregated", 0.15, "itl:100"),
                               "disaggregated": _swept("disaggregated-pull", 0.02, "itl:100")}}

@@ -6,8 +6,8 @@ import json
 
 import msgspec
 
-from vllm_pd_ext import telemetry
-from vllm_pd_ext.telemetry import TransferRecord
+from vllm_pd_ext.wire import telemetry
+from vllm_pd_ext.wire.telemetry import TransferRecord
 
 
 def rec(**kw: object) -> TransferRecord:

@@ -28,8 +28,8 @@ from test_scheduler_lifecycle import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_pd_ext import bidir
-from vllm_pd_ext.leases import LeaseState
+from vllm_pd_ext.leases.table import LeaseState
+from vllm_pd_ext.scheduler import bidir
 
 BIDIR = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 1}
 

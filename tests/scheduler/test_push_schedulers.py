@@ -22,11 +22,11 @@ from pdsched import (
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.leases import LeaseState
+from vllm_pd_ext.leases.table import LeaseState
 from vllm_pd_ext.metadata import PDHandshakeMetadata
-from vllm_pd_ext.pushbook import PushState
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
+from vllm_pd_ext.scheduler.pushbook import PushState
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
 
 HOST = "127.0.0.1"
 LEASE_S = 2.0

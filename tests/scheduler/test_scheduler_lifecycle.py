@@ -20,14 +20,14 @@ from pdsched import (
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
 
-from vllm_pd_ext import auth
-from vllm_pd_ext import protocol as proto
 from vllm_pd_ext.config import PDConfig
-from vllm_pd_ext.leases import LeaseState, LeaseTable
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata
-from vllm_pd_ext.side_channel import LeaseService, SideChannelClient, SideChannelServer
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
-from vllm_pd_ext.worker import PDWorker
+from vllm_pd_ext.wire import auth
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.side_channel import LeaseService, SideChannelClient, SideChannelServer
+from vllm_pd_ext.worker.dispatcher import PDWorker
 
 HOST = "127.0.0.1"
 

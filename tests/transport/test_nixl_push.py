@@ -21,15 +21,15 @@ pytest.importorskip("nixl")
 
 import nixl_peer
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.coalesce import build_descriptors
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseState, LeaseTable
-from vllm_pd_ext.p_push_worker import Pusher
-from vllm_pd_ext.protocol import Region
-from vllm_pd_ext.side_channel import SideChannelServer
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.transport import TransportError, XferState
+from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.nixl import NixlTransport
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.protocol import Region
+from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.worker.p_push import Pusher
 
 pytestmark = pytest.mark.nixl
 

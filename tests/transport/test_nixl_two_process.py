@@ -21,10 +21,10 @@ pytest.importorskip("nixl")
 
 import nixl_peer
 
-from vllm_pd_ext.coalesce import build_descriptors
-from vllm_pd_ext.protocol import Region
 from vllm_pd_ext.transport import TransportError, XferState
+from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.nixl import NixlTransport
+from vllm_pd_ext.wire.protocol import Region
 
 pytestmark = pytest.mark.nixl
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from vllm_pd_ext.size_cli import main
-from vllm_pd_ext.sizing_measure import DEFAULT_SIZES, measure
+from vllm_pd_ext.tools.sizing.cli import main
+from vllm_pd_ext.tools.sizing.measure import DEFAULT_SIZES, measure
 
 
 def test_measure_reads_three_sizes_between_two_processes():

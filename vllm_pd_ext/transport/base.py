@@ -58,7 +58,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd_ext.coalesce import Descriptor
+from vllm_pd_ext.transport.coalesce import Descriptor
 
 
 class XferState(enum.Enum):

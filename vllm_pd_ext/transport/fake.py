@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pd_ext.coalesce import Descriptor
 from vllm_pd_ext.transport.base import Transport, TransportError, XferState
+from vllm_pd_ext.transport.coalesce import Descriptor
 
 
 @dataclass

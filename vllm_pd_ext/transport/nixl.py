@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_pd_ext.coalesce import Descriptor
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.base import Transport, TransportError, XferState
+from vllm_pd_ext.transport.coalesce import Descriptor
 from vllm_pd_ext.transport.ucx_env import explain_backend_failure
 
 logger = get_logger(__name__)

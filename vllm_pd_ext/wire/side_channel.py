@@ -34,12 +34,11 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import AuthError, FrameAuth
-
 # Re-exported for the tests that build a P side from this module.
-from vllm_pd_ext.lease_service import LeaseService as LeaseService
+from vllm_pd_ext.leases.service import LeaseService as LeaseService
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import AuthError, FrameAuth
 
 logger = get_logger(__name__)
 

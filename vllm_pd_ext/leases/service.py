@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.leases import Consumer, LeaseState, LeaseTable, SweepResult
+from vllm_pd_ext.leases.table import Consumer, LeaseState, LeaseTable, SweepResult
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.wire import protocol as proto
 
 logger = get_logger(__name__)
 

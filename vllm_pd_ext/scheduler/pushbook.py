@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
 
-from vllm_pd_ext.protocol import PushAbortState
+from vllm_pd_ext.wire.protocol import PushAbortState
 
 R = TypeVar("R")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_pd_ext.protocol import Region
+from vllm_pd_ext.wire.protocol import Region
 
 #: (local_start_block, remote_start_block, num_blocks)
 Run = tuple[int, int, int]

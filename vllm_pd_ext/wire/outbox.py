@@ -39,10 +39,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.side_channel import SideChannelClient, SideChannelError
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
 
 logger = get_logger(__name__)
 

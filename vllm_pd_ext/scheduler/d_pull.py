@@ -15,10 +15,10 @@ request is ever looped over.
 
 from __future__ import annotations
 
-from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import LayoutProblem, RecvSpec
-from vllm_pd_ext.protocol import KVTransferParams
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.wire.protocol import KVTransferParams
 
 logger = get_logger(__name__)
 

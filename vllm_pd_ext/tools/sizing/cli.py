@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_pd_ext.sizing import (
+from vllm_pd_ext.tools.sizing.formula import (
     KVSpec,
     SizingError,
     dtype_bytes,
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         setup_ms = 1.0 if args.setup_ms is None else args.setup_ms
         measured = None
         if args.measure:
-            from vllm_pd_ext.sizing_measure import measure
+            from vllm_pd_ext.tools.sizing.measure import measure
 
             measured = measure(reps=max(1, args.measure_reps))
             links.append(round(measured.effective_bandwidth_gb_s, 3))

@@ -36,9 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_pd_ext.slo.client import run_point
-from vllm_pd_ext.slo.metrics import Gates, parse_slo, point_passes, summarize
-from vllm_pd_ext.slo.trace import make_trace
+from vllm_pd_ext.tools.slo.client import run_point
+from vllm_pd_ext.tools.slo.metrics import Gates, parse_slo, point_passes, summarize
+from vllm_pd_ext.tools.slo.trace import make_trace
 
 _WAITING = re.compile(r"^vllm:num_requests_waiting\{[^}]*\}\s+(\S+)", re.M)
 
@@ -223,7 +223,7 @@ def _gates(args: argparse.Namespace) -> Gates:
 
 
 def _breakdown(results: list[Any]) -> dict[str, Any] | None:
-    from vllm_pd_ext.slo.breakdown import summarize_breakdowns
+    from vllm_pd_ext.tools.slo.breakdown import summarize_breakdowns
 
     out: dict[str, Any] | None = summarize_breakdowns(results)
     return out
@@ -245,7 +245,7 @@ def say(msg: str) -> None:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm_pd_ext.slo.deploy import Deployment
+    from vllm_pd_ext.tools.slo.deploy import Deployment
 
     out_dir = Path(args.out_dir or f".runs/slo/{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -277,7 +277,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any],
               plot_dir: Path | None) -> None:
-    from vllm_pd_ext.slo.verdict import render_table, verdict
+    from vllm_pd_ext.tools.slo.verdict import render_table, verdict
 
     gates = Gates(**base["gates"])
     strip = [{"name": d["name"], "points": [p["summary"] for p in d["points"]]}
@@ -300,7 +300,7 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
     for line in v["evidence"]:
         print(f"  - {line}")
     if plot_dir is not None:
-        from vllm_pd_ext.slo.plots import plot_all
+        from vllm_pd_ext.tools.slo.plots import plot_all
 
         paths = plot_all(plot_dir, base, cand)
         result["plots"] = [str(p) for p in paths]
@@ -327,7 +327,7 @@ def rejudge(dep: dict[str, Any], slo: Any) -> dict[str, Any]:
     stored requests (same requests, same timings, other cutoffs)."""
     import msgspec
 
-    from vllm_pd_ext.slo.metrics import RequestResult
+    from vllm_pd_ext.tools.slo.metrics import RequestResult
 
     gates = Gates(**dep["gates"])
     points = []
@@ -346,7 +346,7 @@ def rejudge(dep: dict[str, Any], slo: Any) -> dict[str, Any]:
 
 def threshold(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Print the break-even (slo/threshold.py) and the runs' verdicts beside it."""
-    from vllm_pd_ext.slo.threshold import from_results
+    from vllm_pd_ext.tools.slo.threshold import from_results
 
     out = from_results(results)
     for run in out["runs"]:

@@ -25,19 +25,20 @@ import time
 import uuid
 from typing import Any
 
-from vllm_pd_ext import compat, telemetry
+from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
-from vllm_pd_ext.d_pull_worker import PullReader, RecvJob
-from vllm_pd_ext.d_push_worker import PushReceiver
-from vllm_pd_ext.idle_wait import Waker
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata
-from vllm_pd_ext.p_push_worker import Pusher
 from vllm_pd_ext.policy import FailureReason, LoadReport
-from vllm_pd_ext.protocol import AgentInfo, Region
 from vllm_pd_ext.stats import PDStats
-from vllm_pd_ext.telemetry import TransferRecord
 from vllm_pd_ext.transport import Transport
+from vllm_pd_ext.wire import telemetry
+from vllm_pd_ext.wire.protocol import AgentInfo, Region
+from vllm_pd_ext.wire.telemetry import TransferRecord
+from vllm_pd_ext.wire.wakeup import Waker
+from vllm_pd_ext.worker.d_pull import PullReader, RecvJob
+from vllm_pd_ext.worker.d_push import PushReceiver
+from vllm_pd_ext.worker.p_push import Pusher
 
 logger = get_logger(__name__)
 
@@ -94,7 +95,7 @@ class PDWorker:
             storage = t.untyped_storage()
             ranges[storage.data_ptr()] = storage.nbytes()
         if mem_type == "DRAM" and self.cfg.kv_huge_pages:
-            from vllm_pd_ext.hugepages import prefer_huge_pages
+            from vllm_pd_ext.worker.hugepages import prefer_huge_pages
 
             # Before registration, so NIXL/UCX never sees the small pages.
             done, tried = prefer_huge_pages(ranges)

@@ -50,12 +50,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth
-from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.transport import Transport, TransportError, XferState
+from vllm_pd_ext.transport.coalesce import build_descriptors
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.outbox import Outbox
 
 logger = get_logger(__name__)
 

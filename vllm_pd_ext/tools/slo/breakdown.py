@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from vllm_pd_ext.slo.metrics import RequestResult, percentile
+from vllm_pd_ext.tools.slo.metrics import RequestResult, percentile
 
 COMPONENTS = ("front_ms", "prefill_ms", "handoff_ms", "first_step_ms")
 

@@ -49,17 +49,10 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd_ext import auth, bidir, compat, telemetry
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.affinity import bind_engine_core
-from vllm_pd_ext.bidir import Fallback, KeptTurns
+from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
-from vllm_pd_ext.d_pull_scheduler import PullConsumer
-from vllm_pd_ext.d_push_scheduler import PushConsumer
-from vllm_pd_ext.heartbeats import HeartbeatSender
-from vllm_pd_ext.idle_wait import IdleWait, should_wait
-from vllm_pd_ext.lease_service import LeaseService
-from vllm_pd_ext.leases import LeaseTable
+from vllm_pd_ext.leases.service import LeaseService
+from vllm_pd_ext.leases.table import LeaseTable
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import (
     LayoutProblem,
@@ -68,12 +61,21 @@ from vllm_pd_ext.metadata import (
     PushRecvSpec,
     RecvSpec,
 )
-from vllm_pd_ext.p_push_scheduler import PushProducer
 from vllm_pd_ext.policy import FailureReason
-from vllm_pd_ext.protocol import KVTransferParams, ParamsError, answer_params, decode_params
-from vllm_pd_ext.readback import ReadBackConsumer
-from vllm_pd_ext.side_channel import SideChannelServer
+from vllm_pd_ext.scheduler import bidir
+from vllm_pd_ext.scheduler.affinity import bind_engine_core
+from vllm_pd_ext.scheduler.bidir import Fallback, KeptTurns
+from vllm_pd_ext.scheduler.d_pull import PullConsumer
+from vllm_pd_ext.scheduler.d_push import PushConsumer
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.scheduler.p_push import PushProducer
+from vllm_pd_ext.scheduler.p_readback import ReadBackConsumer
 from vllm_pd_ext.stats import PDStats
+from vllm_pd_ext.wire import auth, telemetry
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.protocol import KVTransferParams, ParamsError, answer_params, decode_params
+from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.wire.wakeup import IdleWait, should_wait
 
 logger = get_logger(__name__)
 

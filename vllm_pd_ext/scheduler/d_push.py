@@ -47,13 +47,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import LayoutProblem, PushRecvSpec
-from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.policy import FailureReason
-from vllm_pd_ext.side_channel import SideChannelError
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.side_channel import SideChannelError
 
 logger = get_logger(__name__)
 

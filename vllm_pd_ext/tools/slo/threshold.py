@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_pd_ext.slo.verdict import JUSTIFIED
+from vllm_pd_ext.tools.slo.verdict import JUSTIFIED
 
 ROUND_TO = 16
 

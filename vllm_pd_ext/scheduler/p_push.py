@@ -32,12 +32,19 @@ from typing import Any
 
 import zmq
 
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth
-from vllm_pd_ext.lease_service import LeaseService
+from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.outbox import Outbox
-from vllm_pd_ext.pushbook import TOMBSTONES, Match, Prefill, PushBook, PushRefused, PushState
+from vllm_pd_ext.scheduler.pushbook import (
+    TOMBSTONES,
+    Match,
+    Prefill,
+    PushBook,
+    PushRefused,
+    PushState,
+)
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.outbox import Outbox
 
 logger = get_logger(__name__)
 

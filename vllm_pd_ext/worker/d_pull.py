@@ -38,17 +38,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_pd_ext import outbox, telemetry
-from vllm_pd_ext import protocol as proto
-from vllm_pd_ext.auth import FrameAuth
-from vllm_pd_ext.coalesce import build_descriptors
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import RecvSpec
-from vllm_pd_ext.outbox import Outbox
 from vllm_pd_ext.policy import FailureReason
-from vllm_pd_ext.side_channel import SideChannelError
-from vllm_pd_ext.telemetry import TransferRecord
 from vllm_pd_ext.transport import Transport, TransportError, XferState
+from vllm_pd_ext.transport.coalesce import build_descriptors
+from vllm_pd_ext.wire import outbox, telemetry
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.side_channel import SideChannelError
+from vllm_pd_ext.wire.telemetry import TransferRecord
 
 logger = get_logger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_pd_ext.slo.breakdown import COMPONENTS, summarize_breakdowns
-from vllm_pd_ext.slo.metrics import Gates, RequestResult
-from vllm_pd_ext.slo.verdict import point_summary
+from vllm_pd_ext.tools.slo.breakdown import COMPONENTS, summarize_breakdowns
+from vllm_pd_ext.tools.slo.metrics import Gates, RequestResult
+from vllm_pd_ext.tools.slo.verdict import point_summary
 
 
 def _results(point: Mapping[str, Any]) -> list[RequestResult]:

@@ -30,12 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_pd_ext import bidir
-from vllm_pd_ext.bidir import Fallback, ReadBackPlan
-from vllm_pd_ext.heartbeats import HeartbeatSender
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import RecvSpec
-from vllm_pd_ext.protocol import KVTransferParams
+from vllm_pd_ext.scheduler import bidir
+from vllm_pd_ext.scheduler.bidir import Fallback, ReadBackPlan
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.wire.protocol import KVTransferParams
 
 logger = get_logger(__name__)
 

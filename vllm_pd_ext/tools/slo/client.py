@@ -36,8 +36,8 @@ from typing import Any, TextIO
 import aiohttp
 import msgspec
 
-from vllm_pd_ext.slo.metrics import RequestResult
-from vllm_pd_ext.slo.trace import TraceRequest
+from vllm_pd_ext.tools.slo.metrics import RequestResult
+from vllm_pd_ext.tools.slo.trace import TraceRequest
 
 
 class SSEError(ValueError):

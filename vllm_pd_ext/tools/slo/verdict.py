@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vllm_pd_ext.slo.metrics import Gates, point_passes
+from vllm_pd_ext.tools.slo.metrics import Gates, point_passes
 
 JUSTIFIED = "disaggregation justified by this evidence"
 NOT_JUSTIFIED = "disaggregation not justified by this evidence"

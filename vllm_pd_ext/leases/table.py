@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from vllm_pd_ext.protocol import LEASE_EXPIRED, LEASE_UNKNOWN
+from vllm_pd_ext.wire.protocol import LEASE_EXPIRED, LEASE_UNKNOWN
 
 #: Pin holders per lease; a pin past this (a hostile or runaway peer) is
 #: refused, so one lease's state stays bounded.

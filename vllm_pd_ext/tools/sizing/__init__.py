@@ -1,0 +1,2 @@
+"""``vllm-pd-size``: ``formula`` (pure), ``measure`` (the transport's bandwidth
+here, needs NIXL), ``cli``."""
