@@ -16,20 +16,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_pd_ext.wire.auth import FrameAuth, Keyring, SecretError
+from vllm_pd_ext.wire.protocol import TRANSFER_MODES, TransferMode
 
 
 class ConfigError(ValueError):
     """Invalid ``kv_connector_extra_config``."""
 
 
-TRANSFER_MODES = ("pull", "push")
 MIN_LEASE_S = 2.0
 NIXL_BACKENDS = ("UCX", "GDS", "GDS_MT", "POSIX", "LIBFABRIC", "OBJ", "MOONCAKE")
 
 
 @dataclass(frozen=True)
 class PDConfig:
-    transfer_mode: str = "pull"
+    transfer_mode: TransferMode = TransferMode.PULL
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
     #: Seconds P holds a finished prefill's blocks without news from D.
@@ -209,16 +209,13 @@ def _optional_host(key: str, raw: Any) -> str | None:
     return None if raw is None else _host(key, raw)
 
 
-def _choice(choices: tuple[str, ...]) -> Any:
-    def check(key: str, raw: Any) -> str:
-        if raw not in choices:
-            raise ConfigError(
-                f"kv_connector_extra_config.{key}={raw!r}: accepted values: "
-                f"{', '.join(choices)}"
-            )
-        return str(raw)
-
-    return check
+def _transfer_mode(key: str, raw: Any) -> TransferMode:
+    if raw not in TRANSFER_MODES:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}={raw!r}: accepted values: "
+            f"{', '.join(TRANSFER_MODES)}"
+        )
+    return TransferMode(raw)
 
 
 def _host(key: str, raw: Any) -> str:
@@ -297,7 +294,7 @@ def _backends(key: str, raw: Any) -> tuple[str, ...]:
 
 
 _VALIDATORS: dict[str, Any] = {
-    "transfer_mode": _choice(TRANSFER_MODES),
+    "transfer_mode": _transfer_mode,
     "side_channel_host": _host,
     "side_channel_port": _port,
     "lease_duration": _positive,

@@ -1,8 +1,10 @@
 """PDConnector: the thin facade vLLM instantiates (twice per engine).
 
 With ``KVConnectorRole.SCHEDULER`` (EngineCore process) it forwards to
-``PDScheduler``; with ``WORKER`` (each worker process) to ``PDWorker``. It
-holds no logic of its own beyond translating vLLM's call shapes.
+``scheduler.dispatcher.PDScheduler`` and applies the EngineCore's patches of
+vLLM (``compat.patches``); with ``WORKER`` (each worker process) to
+``worker.dispatcher.PDWorker``. It holds no logic of its own beyond
+translating vLLM's call shapes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from vllm_pd_ext.compat import (
     KVConnectorStats,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    patches,
 )
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.metadata import PDConnectorMetadata
@@ -38,6 +41,10 @@ class PDConnector(KVConnectorBase_V1):
             from vllm_pd_ext.scheduler.dispatcher import PDScheduler
 
             self._scheduler = PDScheduler(vllm_config, cfg)
+            # The EngineCore process's setup, in one explicit call that logs
+            # each patch of vLLM (and the CPU affinity) as applied or skipped.
+            patches.apply(patches.Process.ENGINE_CORE, patches.Context(
+                cfg, vllm_config, on_shutdown=self._scheduler.on_engine_shutdown))
         else:
             from vllm_pd_ext.worker.dispatcher import PDWorker
 

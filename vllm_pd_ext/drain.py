@@ -27,7 +27,8 @@ Lifecycle: one middleware per API server process (the state is per
 instance; vLLM builds the app once). The SIGTERM handler is installed on the
 server's event loop at lifespan start-up, replacing vLLM's own, which it
 calls (through SIGINT, which vLLM handles identically) once step 2 is done.
-Only the hand-over imports vLLM (through ``compat``).
+Only vLLM's API server (``timeout_s`` from argv) and the hand-over import vLLM
+(through ``compat``).
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ class DrainMiddleware:
         self.app = app
         self.state = DrainState(drain_timeout_from_argv() if timeout_s is None
                                 else timeout_s)
+        if timeout_s is None:
+            # In vLLM's API server: its patches, once per process (what this
+            # middleware relies on is probed there: SIGINT, argv).
+            from vllm_pd_ext.compat import patches
+
+            patches.apply_once(patches.Process.API_SERVER)
         # What ends the process once drained: vLLM's own SIGINT/SIGTERM handler.
         self._hand_over = hand_over or (lambda: os.kill(os.getpid(), signal.SIGINT))
         self._installed = False
@@ -213,9 +220,9 @@ class DrainMiddleware:
         if config is None:
             return
         try:
-            from vllm_pd_ext import compat
+            from vllm_pd_ext.compat.engine import ensure_drain_window
 
-            compat.ensure_drain_window(config, self.state.timeout_s)
+            ensure_drain_window(config, self.state.timeout_s)
         except Exception:  # never let the hint block the shutdown itself
             logger.exception("PDConnector drain: could not set vLLM's shutdown window")
 

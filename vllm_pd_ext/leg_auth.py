@@ -97,11 +97,11 @@ class LegAuthMiddleware:
         self.num_refused = 0
         self._logged_at = -1e9
         if from_argv:
-            # The API server this middleware runs in: streamed answers carry
-            # D's kv_transfer_params (multi-turn, compat.py).
-            from vllm_pd_ext.compat import stream_kv_transfer_params
+            # In vLLM's API server: its patches (streamed answers carry D's
+            # kv_transfer_params for multi-turn), once per process.
+            from vllm_pd_ext.compat import patches
 
-            stream_kv_transfer_params()
+            patches.apply_once(patches.Process.API_SERVER)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (self.keyring is None or scope["type"] != "http"

@@ -1,4 +1,9 @@
-"""Scheduler -> worker payload for one engine step (pickled by vLLM)."""
+"""The connector's payloads inside vLLM's step and startup messages.
+
+These subclass vLLM's (abstract) connector metadata types, so they live on
+the facade's side; what they carry is pure (``wire.specs``, ``protocol``,
+``telemetry``). vLLM pickles them between the EngineCore and the workers.
+"""
 
 from __future__ import annotations
 
@@ -10,51 +15,14 @@ from vllm_pd_ext.compat import (
     KVConnectorWorkerMetadata,
 )
 from vllm_pd_ext.wire.protocol import AgentInfo
+from vllm_pd_ext.wire.specs import PushRecvSpec, RecvSpec
 from vllm_pd_ext.wire.telemetry import TransferRecord
-
-
-@dataclass(frozen=True)
-class RecvSpec:
-    """One D request whose prompt KV must be read from P."""
-
-    request_id: str
-    local_block_ids: list[int]
-    #: P's block ids matching ``local_block_ids`` one to one (D's prefix-cache
-    #: hit already cut off the front).
-    remote_block_ids: list[int]
-    remote_engine_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    remote_tp_size: int
-    num_tokens: int
-    #: Bidirectional: P reads a previous turn's KV back from D (same READ,
-    #: counted apart in the metrics).
-    readback: bool = False
-
-
-@dataclass(frozen=True)
-class PushRecvSpec:
-    """One D request whose prompt KV P will write into ``local_block_ids``."""
-
-    request_id: str
-    pd_request_id: str
-    local_block_ids: list[int]
-    num_tokens: int
-    #: The registration's ``notif_token``: only P's notification carries it.
-    notif_token: str = ""
-
-
-@dataclass(frozen=True)
-class LayoutProblem:
-    """Why D's blocks cannot take P's KV (scheduler half, either mode); the
-    load fails with ``layout_mismatch``."""
-
-    why: str
 
 
 @dataclass
 class PDConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, every step."""
+
     reqs_to_recv: list[RecvSpec] = field(default_factory=list)
     #: D: requests whose load fails before any transfer: id -> (FailureReason value, why).
     reqs_to_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -72,7 +40,7 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     #: Push producers: the worker's write-order socket (tcp://127.0.0.1:port).
     order_endpoint: str | None = None
     #: Push consumers: the worker's wake socket for the scheduler's idle wait
-    #: (``idle_wait.Waker``).
+    #: (``wire.wakeup.Waker``).
     wake_endpoint: str | None = None
 
 

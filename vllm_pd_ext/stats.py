@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd_ext.compat import KVConnectorPromMetrics, KVConnectorStats
+from vllm_pd_ext.compat import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    create_metric_per_engine,
+)
 from vllm_pd_ext.scheduler.bidir import FALLBACK_LABELS
 
 COUNTERS = (
@@ -132,8 +136,6 @@ class PDPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
-
         def counter(key: str, doc: str) -> Any:
             metric = self._counter_cls(name=f"vllm:pd_ext_{key}", documentation=doc,
                                        labelnames=labelnames)

@@ -196,7 +196,7 @@ def test_done_then_notification_is_not_failed(consumer, clock):
     consumer.poll()
     answer_abort(consumer, AbortState.DONE)
     consumer.poll()
-    consumer.finished("d-req")  # the worker saw the notification
+    consumer.loaded("d-req")  # the worker saw the notification
     clock.advance(DONE_GRACE_S * 5)
     assert consumer.poll() == {} and consumer.num_waiting == 0
 
@@ -273,7 +273,7 @@ def test_push_result_for_unknown_id_is_ignored(consumer):
 
 def test_finished_stops_everything(consumer, clock):
     sent = register(consumer)
-    consumer.finished("d-req")
+    consumer.loaded("d-req")
     assert consumer.num_waiting == 0
     # Late replies and results for it change nothing.
     sent.callback(refused("pd_request_id 'pd1' was already aborted"))

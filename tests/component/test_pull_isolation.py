@@ -19,7 +19,8 @@ from test_worker_fake import BLOCK, fake_vllm_config, kv_tensors
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseTable
-from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
+from vllm_pd_ext.metadata import PDConnectorMetadata
+from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport

@@ -22,7 +22,7 @@ from pdunit_utils import free_port, wait_for
 
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
-from vllm_pd_ext.metadata import PushRecvSpec
+from vllm_pd_ext.wire.specs import PushRecvSpec
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.wire import protocol as proto

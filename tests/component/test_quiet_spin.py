@@ -1,4 +1,4 @@
-"""``compat.quiet_shm_spin`` on a real vLLM shared-memory ``MessageQueue``.
+"""``compat.engine.quiet_shm_spin`` on a real vLLM shared-memory ``MessageQueue``.
 
 A reader of vLLM's queue busy-waits for 1 s after each message; once quieted
 it sleeps on the queue's notification (no CPU while idle) and still gets
@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-from vllm_pd_ext import compat
+from vllm_pd_ext.compat import engine as compat_engine
 
 
 def _pair() -> tuple[Any, Any]:
@@ -58,7 +58,7 @@ def test_quieted_reader_sleeps_when_idle_and_still_gets_messages() -> None:
     assert reader.dequeue(timeout=5) == "warm"  # a fresh read: the spin window is open
     spinning = _idle_cpu(reader)
 
-    assert compat.quiet_shm_spin() >= 1
+    assert compat_engine.quiet_shm_spin() >= 1
     assert reader._spin_condition.busy_loop_s == 0
     writer.enqueue("warm again")
     assert reader.dequeue(timeout=5) == "warm again"

@@ -17,7 +17,8 @@ from pdunit_utils import free_port, wait_for
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
-from vllm_pd_ext.metadata import PDConnectorMetadata, RecvSpec
+from vllm_pd_ext.metadata import PDConnectorMetadata
+from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport

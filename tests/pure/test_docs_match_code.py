@@ -8,6 +8,7 @@ tests/proxy/test_cli.py::test_every_flag_is_documented.
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import types
@@ -66,6 +67,8 @@ def _doc_type(hint: object) -> str:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is tuple:
         return "list"
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        return "string"
     return {bool: "boolean", int: "integer", float: "number", str: "string"}[hint]
 
 
@@ -101,6 +104,8 @@ def test_documented_defaults_and_types_match_the_code():
         assert m, f"docs/configuration.md: no `value` in the Default cell of {key}"
         documented = json.loads(m.group(1))
         expected = list(default) if isinstance(default, tuple) else default
+        if isinstance(expected, enum.StrEnum):
+            expected = expected.value  # JSON has its value
         assert documented == expected and type(documented) is type(expected), (
             f"docs/configuration.md: {key} defaults to {m.group(1)}, code: {expected!r}")
 

@@ -216,7 +216,7 @@ def test_d_does_not_keep_declined_aborted_or_disabled_turns(make_scheduler):  # 
     sched.add_request(req)
     step(sched)
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-    assert len(pd(sched).kept) == 0
+    assert len(pd(sched).keeper.kept) == 0
     assert_empty_after_step(sched)
     off = make_scheduler()
     _, kept = finish_kept_turn(off)
@@ -228,14 +228,14 @@ def test_d_budget_evicts_the_oldest_unread_turn(make_scheduler):  # noqa: F811
     # 64 blocks, budget 0.1: 6 blocks kept at most; each turn keeps 4.
     sched = make_scheduler(num_blocks=64, decoder_kv_blocks_budget=0.1, **BIDIR)
     first, kept1 = finish_kept_turn(sched, num_tokens=100, max_tokens=30)
-    assert kept1 is not None and len(pd(sched).kept) == 1
+    assert kept1 is not None and len(pd(sched).keeper.kept) == 1
     free_before = num_free(sched)
     second, kept2 = finish_kept_turn(sched, num_tokens=100, max_tokens=30)
     assert kept2 is not None
-    assert pd(sched).kept.oldest_first() == [second.request_id]
+    assert pd(sched).keeper.kept.oldest_first() == [second.request_id]
     assert pd(sched).leases.table.get(first.request_id) is None  # evicted and swept
     assert num_free(sched) == free_before  # the first turn's blocks were freed
-    assert pd(sched).kept.num_blocks <= pd(sched).kept.budget_blocks
+    assert pd(sched).keeper.kept.num_blocks <= pd(sched).keeper.kept.budget_blocks
 
 
 def test_d_read_turn_is_freed_on_release_and_shutdown_drops_unread(make_scheduler):  # noqa: F811
@@ -247,7 +247,7 @@ def test_d_read_turn_is_freed_on_release_and_shutdown_drops_unread(make_schedule
     with service.lock:
         service.table.release(read.request_id, 0)  # P read it and released
     step(sched)
-    assert pd(sched).kept.oldest_first() == [unread.request_id]
+    assert pd(sched).keeper.kept.oldest_first() == [unread.request_id]
     # SIGTERM: unread kept turns end at once, so the drain does not wait 480 s.
     pd(sched).shutting_down = True
     assert pd(sched).has_pending_push_work() is True  # until the sweep frees it

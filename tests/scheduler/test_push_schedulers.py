@@ -261,9 +261,9 @@ def test_prefix_hit_on_d_registers_only_missing_blocks(pair: Pair) -> None:
         step(pair.p)
     order = pair.next_order()
     assert order is not None
-    p_blocks = pd(pair.p)._pinned["pd-hit"]
+    p_blocks = pd(pair.p).lender.block_ids("pd-hit")
     # P writes its blocks 2 and 3 (not 0 and 1) into D's fresh blocks.
-    assert order.src_block_ids == [b.block_id for b in p_blocks[2:4]]
+    assert order.src_block_ids == p_blocks[2:4]
     assert order.dst_block_ids == spec.local_block_ids
     pair.settle_write("pd-hit")
     finish_both(pair, d_req)

@@ -521,7 +521,7 @@ def test_d_lease_claim_of_an_aborted_load_ends_when_the_worker_reports_it(make_s
     assert replay.request_id in meta.reqs_to_fail
     step(sched, finished_recving={req.request_id, replay.request_id},
          failed_recving={replay.request_id})
-    assert pd(sched)._d == {} and pd(sched)._lease_users == {}
+    assert len(pd(sched).d) == 0 and pd(sched).d.lease_users == {}
     assert_empty_after_step(sched)
 
 

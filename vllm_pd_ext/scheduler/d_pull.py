@@ -16,9 +16,10 @@ request is ever looped over.
 from __future__ import annotations
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import LayoutProblem, RecvSpec
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.scheduler.load_state import LoadState
 from vllm_pd_ext.wire.protocol import KVTransferParams
+from vllm_pd_ext.wire.specs import LayoutProblem, RecvSpec
 
 logger = get_logger(__name__)
 
@@ -26,15 +27,21 @@ Endpoint = tuple[str, int]
 
 
 class PullConsumer:
+    """D's half of pull mode (``d_requests.DMode``)."""
+
+    #: Pull never waits on P's initiative: the workers read.
+    num_waiting = 0
+
     def __init__(self, block_size: int, tp_size: int, heartbeats: HeartbeatSender) -> None:
         self.block_size = block_size
         self.tp_size = tp_size
         self.heartbeats = heartbeats
 
     def allocate(self, rid: str, params: KVTransferParams, num_prompt_tokens: int,
-                 num_external_tokens: int, local_blocks: list[int]
+                 num_external_tokens: int, local_blocks: list[int], prompt_digest: str = ""
                  ) -> RecvSpec | LayoutProblem | None:
-        """The load for D's new blocks; None when D needs nothing from P."""
+        """The load for D's new blocks; None when D needs nothing from P.
+        (``prompt_digest``: push registers it with P; a READ needs none.)"""
         endpoint = _endpoint(params)
         if num_external_tokens == 0:
             self.abandon(rid, params, "prompt fully cached on D")
@@ -67,6 +74,21 @@ class PullConsumer:
             remote_tp_size=self.tp_size,
             num_tokens=num_external_tokens,
         )
+
+    def end(self, rid: str, params: KVTransferParams, state: LoadState) -> None:
+        """vLLM finished the request. Before its load was scheduled, P can free
+        its blocks now; a READ in flight finishes first (the workers release)."""
+        if state is LoadState.WAITING:
+            self.abandon(rid, params, "request ended on D before its load")
+
+    def loaded(self, rid: str) -> None:
+        """Nothing to do: the worker released P's lease after its READ."""
+
+    def poll(self) -> dict[str, tuple[str, str]]:
+        return {}
+
+    def register_seconds(self, rid: str) -> float | None:
+        return None
 
     def abandon(self, rid: str, params: KVTransferParams, why: str) -> None:
         """Stop heartbeating and let every P rank's lease share go."""

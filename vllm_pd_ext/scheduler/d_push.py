@@ -48,12 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import LayoutProblem, PushRecvSpec
 from vllm_pd_ext.policy import FailureReason
+from vllm_pd_ext.scheduler.load_state import LoadState
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.protocol import ErrorCode
 from vllm_pd_ext.wire.side_channel import SideChannelError
+from vllm_pd_ext.wire.specs import LayoutProblem, PushRecvSpec
 
 logger = get_logger(__name__)
 
@@ -237,13 +239,24 @@ class PushConsumer:
         self._send_abort(wait, reason)
         return True
 
+    def end(self, request_id: str, params: proto.KVTransferParams, state: LoadState) -> None:
+        """vLLM finished the request before or during its wait for P's WRITE:
+        P must stop (or never start) writing before D's blocks are reused;
+        ``poll`` reports the request once P confirmed."""
+        self.abandon(request_id, str(params.pd_request_id),
+                     (str(params.remote_host), int(params.remote_port or 0)),
+                     "request ended on D")
+
     def register_seconds(self, request_id: str) -> float | None:
         """The registration's round trip of a waiting request, once accepted."""
         wait = self._waits.get(request_id)
         return wait.register_s if wait is not None else None
 
-    def finished(self, request_id: str) -> None:
+    def loaded(self, request_id: str) -> None:
         """The worker reported the request's KV landed (or its load failed)."""
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
         wait = self._waits.pop(request_id, None)
         if wait is not None:
             with self._lock:
@@ -321,7 +334,7 @@ class PushConsumer:
                 logger.warning("PDConnector: push result for %s from engine %s refused: it "
                                "was registered with engine %s", msg.pd_request_id,
                                msg.engine_id, expect)
-                return proto.ErrorReply("refused", f"push {msg.pd_request_id} was not "
+                return proto.ErrorReply(ErrorCode.REFUSED, f"push {msg.pd_request_id} was not "
                                         f"registered with engine {msg.engine_id}")
             if rid is not None:
                 self._events.append(PushEvent(rid, EventKind.FAILED, msg.detail))
@@ -342,7 +355,7 @@ class PushConsumer:
         else:
             code = reply.code if isinstance(reply, SideChannelError | proto.ErrorReply) else ""
             event = PushEvent(rid, EventKind.REFUSED, str(reply),
-                              reason=FailureReason.INCOMPATIBLE if code == "incompatible"
+                              reason=FailureReason.INCOMPATIBLE if code == ErrorCode.INCOMPATIBLE
                               else FailureReason.HANDSHAKE)
         self._queue(event)
 
@@ -448,7 +461,7 @@ class PushConsumer:
 
     def _settle(self, wait: PushWait, reason: FailureReason, detail: str,
                 out: dict[str, tuple[str, str]]) -> None:
-        self.finished(wait.request_id)
+        self._forget(wait.request_id)
         if wait.ended:  # not a failure: vLLM only needs the blocks back
             reason = FailureReason.ABORTED
         out[wait.request_id] = (reason.value, detail)

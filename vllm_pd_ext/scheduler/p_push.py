@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from vllm_pd_ext.leases.lender import BlockLender
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.scheduler.pushbook import (
@@ -45,6 +46,7 @@ from vllm_pd_ext.scheduler.pushbook import (
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.protocol import ErrorCode
 
 logger = get_logger(__name__)
 
@@ -60,12 +62,14 @@ class PushProducer:
     def __init__(self, engine_id: str, compat: proto.CompatInfo, block_size: int,
                  tp_size: int, leases: LeaseService, notify_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 auth: FrameAuth | None = None) -> None:
+                 auth: FrameAuth | None = None, lender: BlockLender | None = None) -> None:
         self.engine_id = engine_id
         self.compat = compat
         self.block_size = block_size
         self.tp_size = tp_size
         self.leases = leases
+        #: Pins a finished prefill's blocks (``lend``); the scheduler's, over ``leases``.
+        self.lender = lender
         self.book: PushBook[proto.PushRegister] = PushBook(clock)
         self._clock = clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -103,25 +107,26 @@ class PushProducer:
             return self._waiting(msg)
         if isinstance(msg, proto.PushAbort):
             return self._abort(msg)
-        return proto.ErrorReply("not_consumer", f"engine {self.engine_id} is a push producer; "
-                                "it takes no push results")
+        return proto.ErrorReply(ErrorCode.NOT_CONSUMER, f"engine {self.engine_id} is a push "
+                                "producer; it takes no push results")
 
     def _register(self, msg: proto.PushRegister) -> proto.Reply:
         if msg.expect_engine_id != self.engine_id:
             return proto.ErrorReply(
-                "stale", f"this is engine {self.engine_id}, not {msg.expect_engine_id} "
+                ErrorCode.STALE, f"this is engine {self.engine_id}, not {msg.expect_engine_id} "
                 "(P restarted?)")
         if len(msg.agents) != self.tp_size or not msg.block_ids or msg.first_block < 0:
             return proto.ErrorReply(
-                "malformed", f"registration for {msg.pd_request_id}: {len(msg.agents)} agents "
-                f"for TP {self.tp_size}, {len(msg.block_ids)} blocks from {msg.first_block}")
+                ErrorCode.MALFORMED, f"registration for {msg.pd_request_id}: "
+                f"{len(msg.agents)} agents for TP {self.tp_size}, {len(msg.block_ids)} blocks "
+                f"from {msg.first_block}")
         with self.leases.atomic():
             try:
                 match = self.book.register(msg.pd_request_id, msg, msg.ttl_s, self.tp_size)
             except PushRefused as exc:
                 logger.warning("PDConnector: push registration from engine %s refused: %s",
                                msg.engine_id, exc)
-                return proto.ErrorReply("refused", str(exc))
+                return proto.ErrorReply(ErrorCode.REFUSED, str(exc))
             if match is not None:
                 self._start(match)
                 state = proto.PushAcceptedState.WRITING
@@ -142,8 +147,8 @@ class PushProducer:
             if reg is not None and reg.engine_id != msg.engine_id:
                 self.num_wrong_sender += 1
                 return proto.ErrorReply(
-                    "refused", f"push {pd_id} was registered by engine {reg.engine_id}, not "
-                    f"{msg.engine_id}")
+                    ErrorCode.REFUSED, f"push {pd_id} was registered by engine "
+                    f"{reg.engine_id}, not {msg.engine_id}")
             state = self.book.renew(pd_id)
             admitted = self.book.is_admitted(pd_id)
         if state is PushState.REGISTERED:
@@ -154,7 +159,7 @@ class PushProducer:
         if state is PushState.WRITING or state is PushState.DONE:
             return proto.PushAccepted(engine_id=self.engine_id,
                                       state=proto.PushAcceptedState.WRITING)
-        return proto.ErrorReply("unknown", f"no push registration {pd_id} waits here "
+        return proto.ErrorReply(ErrorCode.UNKNOWN, f"no push registration {pd_id} waits here "
                                 f"({state.value})")
 
     # ------------------------------------------------------------ P's own leg
@@ -177,7 +182,7 @@ class PushProducer:
                                "%s registered it", msg.pd_request_id, msg.engine_id,
                                reg.engine_id)
                 return proto.ErrorReply(
-                    "refused", f"push {msg.pd_request_id} was registered by another engine")
+                    ErrorCode.REFUSED, f"push {msg.pd_request_id} was registered by another engine")
             state, prefill = self.book.abort(msg.pd_request_id)
             if prefill is not None:
                 self._release_all(msg.pd_request_id)
@@ -205,6 +210,24 @@ class PushProducer:
             self._outbox.send(notify[0], notify[1], proto.PushResult(
                 engine_id=self.engine_id, pd_request_id=pd_id, tp_rank=-1, ok=False,
                 detail=notify[2]))
+
+    # ------------------------------------------------- the dispatcher's PMode
+    def lease_key(self, request_id: str, params: proto.KVTransferParams) -> str:
+        """Both engines know the push by the proxy's ``pd_request_id`` (P's and
+        D's request ids differ)."""
+        return str(params.pd_request_id)
+
+    def lend(self, key: str, request_id: str, block_ids: list[int], num_tokens: int,
+             prompt_digest: str) -> float:
+        """Lease the prompt's blocks under ``key``, then match D's registration
+        (or wait for it); whichever came second orders the WRITEs."""
+        assert self.lender is not None, "PushProducer built without the scheduler's lender"
+        expiry = self.lender.lend(key, block_ids, num_consumers=self.tp_size)
+        self.prefill_done(key, request_id, block_ids, num_tokens, prompt_digest)
+        return expiry
+
+    def forget_expired(self, keys: list[str]) -> None:
+        self.forget_expired_prefills(keys)
 
     # ------------------------------------------------------------ scheduler
     def prefill_done(self, pd_id: str, request_id: str, block_ids: list[int],

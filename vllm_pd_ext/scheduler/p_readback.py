@@ -31,26 +31,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import RecvSpec
 from vllm_pd_ext.scheduler import bidir
 from vllm_pd_ext.scheduler.bidir import Fallback, ReadBackPlan
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.scheduler.load_state import Load, LoadState
 from vllm_pd_ext.wire.protocol import KVTransferParams
+from vllm_pd_ext.wire.specs import RecvSpec
 
 logger = get_logger(__name__)
 
 
 @dataclass
-class ReadBack:
+class ReadBack(Load):
     """One P request that may read a previous turn back from D."""
 
     params: KVTransferParams
     remote_blocks: list[int]
     matched_blocks: int
     plan: ReadBackPlan | None = None
-    allocated: bool = False
-    loading: bool = False
-    ended: bool = False
 
 
 class ReadBackConsumer:
@@ -112,7 +110,7 @@ class ReadBackConsumer:
              ) -> tuple[int, bool] | None:
         """vLLM's ``get_num_new_matched_tokens`` answer; None: not ours."""
         rb = self._reqs.get(rid)
-        if rb is None or rb.allocated:
+        if rb is None or rb.state is not LoadState.WAITING:
             return None
         plan = bidir.plan_readback(
             num_prompt_tokens=num_prompt_tokens, num_local_tokens=num_computed_tokens,
@@ -130,9 +128,8 @@ class ReadBackConsumer:
         """The load for P's new blocks; a string: why it cannot be (fail it);
         None: not ours, or nothing to load."""
         rb = self._reqs.get(rid)
-        if rb is None or rb.allocated or rb.plan is None:
+        if rb is None or rb.state is not LoadState.WAITING or rb.plan is None:
             return None
-        rb.allocated = True
         plan = rb.plan
         params = rb.params
         if num_external_tokens == 0:
@@ -145,7 +142,7 @@ class ReadBackConsumer:
             return (f"read-back layout mismatch: planned {plan.num_tokens} tokens in "
                     f"{plan.num_blocks} blocks, vLLM allocated {len(local_blocks)} for "
                     f"{num_external_tokens}")
-        rb.loading = True
+        rb.allocate(loading=True)
         assert params.remote_host is not None and params.remote_port is not None
         return RecvSpec(
             request_id=rid,
@@ -164,29 +161,26 @@ class ReadBackConsumer:
     def loaded(self, rid: str, failed: bool) -> bool:
         """The workers reported this request's load; True if it was ours."""
         rb = self._reqs.get(rid)
-        if rb is None or not rb.loading:
+        if rb is None or not rb.in_flight:
             return False
-        rb.loading = False
+        ended = rb.reported()
         self.heartbeats.untrack(rid)
         if failed:
             self._count(Fallback.FAILED)
         elif rb.plan is not None:
             self.num_tokens += rb.plan.num_tokens
             self.num_loads += 1
-        if rb.ended or failed:
+        if ended or failed:
             del self._reqs[rid]
         return True
 
     def finish(self, rid: str) -> None:
         """vLLM finished the request (``request_finished``)."""
         rb = self._reqs.get(rid)
-        if rb is None:
-            return
-        if rb.loading:
-            rb.ended = True  # the workers still report the load
-            return
+        if rb is None or not rb.end():
+            return  # (a load in flight: the workers still report it)
         del self._reqs[rid]
-        if not rb.allocated:
+        if rb.state is LoadState.WAITING:
             self._release(rid, rb.params, "request ended on P before its read-back")
         else:
             self.heartbeats.untrack(rid)

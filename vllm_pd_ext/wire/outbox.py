@@ -42,6 +42,7 @@ from collections.abc import Callable
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
+from vllm_pd_ext.wire.protocol import NO_ANSWER_CODES
 from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
 
 logger = get_logger(__name__)
@@ -52,7 +53,6 @@ Endpoint = tuple[str, int]
 #: A lane whose queue stayed empty this long ends (a new one starts on demand).
 LANE_IDLE_TTL_S = 60.0
 #: Errors after which the peer will not answer what is queued behind either.
-_DEAD_PEER_CODES = ("timeout", "unreachable")
 
 
 class _Lane:
@@ -119,7 +119,7 @@ class _Lane:
                     result = SideChannelError(f"{type(exc).__name__}: {exc}")
                 self._deliver(msg, callback, result)
                 if (self.fail_queued_on_timeout and isinstance(result, SideChannelError)
-                        and result.code in _DEAD_PEER_CODES):
+                        and result.code in NO_ANSWER_CODES):
                     self._fail_queued(result)
         finally:
             if client is not None:

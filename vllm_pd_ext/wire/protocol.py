@@ -75,6 +75,55 @@ LEASE_UNKNOWN: Final = -1.0
 LEASE_EXPIRED: Final = -2.0
 
 
+class TransferMode(enum.StrEnum):
+    """How the KV moves (``transfer_mode``; the same on P, D and the proxy):
+    D's workers read P's blocks (``pull``), or P's write into D's (``push``)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
+TRANSFER_MODES: Final = tuple(m.value for m in TransferMode)
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a side-channel round trip failed: ``ErrorReply.code`` on the wire,
+    ``side_channel.SideChannelError.code`` on the caller's side.
+
+    The first four are the caller's own verdicts (no peer sent them); the
+    rest come in a peer's ``ErrorReply``. ``ErrorReply.code`` stays a plain
+    string on the wire, so a newer peer's new code still decodes; compare it
+    with these members, never with message text.
+    """
+
+    #: No answer in time.
+    TIMEOUT = "timeout"
+    #: libzmq refused the address, or the socket failed.
+    UNREACHABLE = "unreachable"
+    #: The answer did not decode (or failed its signature).
+    BAD_REPLY = "bad_reply"
+    #: A bug on this side.
+    LOCAL = "local"
+    INCOMPATIBLE = "incompatible"
+    MALFORMED = "malformed"
+    INTERNAL = "internal"
+    UNAUTHENTICATED = "unauthenticated"
+    NO_RANK = "no_rank"
+    NOT_PUSH = "not_push"
+    NOT_PRODUCER = "not_producer"
+    NOT_CONSUMER = "not_consumer"
+    REFUSED = "refused"
+    STALE = "stale"
+    UNKNOWN = "unknown"
+
+
+#: Codes that mean the peer did not answer at all (it may be dead).
+NO_ANSWER_CODES: Final = frozenset({ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE})
+#: Codes no peer sent: the caller's own verdicts.
+LOCAL_CODES: Final = frozenset({ErrorCode.TIMEOUT, ErrorCode.UNREACHABLE, ErrorCode.BAD_REPLY,
+                                ErrorCode.LOCAL})
+
+
 class ParamsError(ValueError):
     """Malformed ``kv_transfer_params``; the message names the field."""
 
@@ -126,9 +175,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
                     and self.remote_host and self.remote_port and self.remote_request_id)
 
     @property
-    def mode(self) -> str:
-        """``pull`` unless the params say ``push`` (vLLM's own params omit it)."""
-        return self.transfer_mode or "pull"
+    def mode(self) -> TransferMode:
+        """``pull`` unless the params say ``push`` (vLLM's own params omit it);
+        ``decode_params`` refused any other value."""
+        return TransferMode(self.transfer_mode or TransferMode.PULL)
 
     def flat_remote_block_ids(self) -> list[int]:
         """The single KV-cache group's block ids (we do not support HMA)."""
@@ -167,7 +217,6 @@ def answer_params(params: KVTransferParams) -> dict[str, Any]:
 
 _PULL_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 _PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "pd_request_id")
-TRANSFER_MODES: Final = ("pull", "push")
 
 
 _DEFAULT_PARAMS: Final = KVTransferParams()
@@ -192,7 +241,8 @@ def decode_params(raw: Any) -> KVTransferParams | None:
             f"kv_transfer_params.transfer_mode={params.transfer_mode!r}: accepted values: "
             + ", ".join(TRANSFER_MODES)
         )
-    push_leg = params.do_remote_decode and params.mode == "push" and not params.pd_ext_probe
+    push_leg = (params.do_remote_decode and params.mode is TransferMode.PUSH
+                and not params.pd_ext_probe)
     if push_leg and not params.pd_request_id:
         raise ParamsError("kv_transfer_params: transfer_mode='push' needs pd_request_id")
     if params.is_readback:
@@ -208,7 +258,7 @@ def decode_params(raw: Any) -> KVTransferParams | None:
                               f"got {params.tp_size}")
         params.flat_remote_block_ids()  # validates the shape
     if params.do_remote_prefill:
-        push = params.mode == "push"
+        push = params.mode is TransferMode.PUSH
         required = _PUSH_REQUIRED if push else _PULL_REQUIRED
         missing = [k for k in required if getattr(params, k) in (None, "")]
         if missing:

@@ -39,6 +39,7 @@ from vllm_pd_ext.leases.service import LeaseService as LeaseService
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import AuthError, FrameAuth
+from vllm_pd_ext.wire.protocol import LOCAL_CODES, ErrorCode
 
 logger = get_logger(__name__)
 
@@ -46,22 +47,21 @@ logger = get_logger(__name__)
 class SideChannelError(RuntimeError):
     """A peer did not answer, or answered with an error.
 
-    ``code`` says which, so callers never match message text: ``timeout``
-    (no answer in time), ``unreachable`` (libzmq refused the address or the
-    socket failed), ``bad_reply`` (the answer did not decode), ``local`` (a
-    bug on this side), or the peer's own ``ErrorReply.code``
-    (``incompatible``, ``malformed``, ``no_rank``, ``not_push``,
-    ``not_producer``, ``internal``, ...).
+    ``code`` says which (``protocol.ErrorCode``), so callers never match
+    message text: one of the caller's own verdicts (``TIMEOUT``,
+    ``UNREACHABLE``, ``BAD_REPLY``, ``LOCAL``) or the peer's
+    ``ErrorReply.code`` (a plain string: a newer peer may send a code this
+    version does not know).
     """
 
-    def __init__(self, message: str, code: str = "local") -> None:
+    def __init__(self, message: str, code: str = ErrorCode.LOCAL) -> None:
         super().__init__(message)
         self.code = code
 
     @property
     def refused(self) -> bool:
         """The peer answered, with an error: it is alive."""
-        return self.code not in ("timeout", "unreachable", "bad_reply", "local")
+        return self.code not in LOCAL_CODES
 
 
 class PushHandler(Protocol):
@@ -124,7 +124,7 @@ class SideChannelServer:
             self._ctx.term()
             raise SideChannelError(
                 f"PDConnector: cannot bind side channel {self.address}: {exc} "
-                "(is side_channel_port used by another engine?)", "unreachable"
+                "(is side_channel_port used by another engine?)", ErrorCode.UNREACHABLE
             ) from exc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-side-channel", daemon=True)
@@ -151,7 +151,7 @@ class SideChannelServer:
                 out = self.handle_frames(frames[2:])
             except Exception:  # never let one message kill the thread
                 logger.exception("PDConnector: side-channel frame handling failed")
-                out = [proto.encode(proto.ErrorReply("internal", "internal error"))]
+                out = [proto.encode(proto.ErrorReply(ErrorCode.INTERNAL, "internal error"))]
             try:
                 self._sock.send_multipart([frames[0], b"", *out], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # peer gone
@@ -162,7 +162,7 @@ class SideChannelServer:
         if self.auth is None:
             if len(parts) != 1:
                 return [proto.encode(proto.ErrorReply(
-                    "unauthenticated", f"engine {self.engine_id} has no shared secret "
+                    ErrorCode.UNAUTHENTICATED, f"engine {self.engine_id} has no shared secret "
                     "configured but the peer signs its frames: give every engine and the "
                     "proxy the same secret"))]
             return [proto.encode(self.handle(parts[0]))]
@@ -186,7 +186,8 @@ class SideChannelServer:
             self._auth_logged_at, self._auth_unlogged = now, 0
         else:
             self._auth_unlogged += 1
-        return [proto.encode(proto.ErrorReply("unauthenticated", f"unauthenticated: {reason}"))]
+        return [proto.encode(proto.ErrorReply(ErrorCode.UNAUTHENTICATED,
+                                              f"unauthenticated: {reason}"))]
 
     def handle(self, payload: bytes, authenticated: bool = False) -> proto.Reply:
         """Decode and answer one message; ``authenticated``: its frame's MAC
@@ -196,7 +197,7 @@ class SideChannelServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("PDConnector: malformed side-channel message (%d bytes): %s",
                            len(payload), exc)
-            return proto.ErrorReply("malformed", f"malformed side-channel message: {exc}")
+            return proto.ErrorReply(ErrorCode.MALFORMED, f"malformed side-channel message: {exc}")
         try:
             if isinstance(msg, proto.HandshakeRequest | proto.PushRegister):
                 diff = self.compat.diff(msg.compat)
@@ -205,7 +206,7 @@ class SideChannelServer:
             return self._dispatch(msg)
         except Exception as exc:  # never let one message kill the thread
             logger.exception("PDConnector: side-channel handler failed")
-            return proto.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+            return proto.ErrorReply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: proto.Request) -> proto.Reply:
         return self._handlers[type(msg)](msg)
@@ -217,13 +218,13 @@ class SideChannelServer:
                      msg.engine_id, "; ".join(diff))
         # An unauthenticated peer learns which fields differ, not our values.
         told = diff if authenticated else self.compat.diff(msg.compat, ours=False)
-        return proto.ErrorReply("incompatible", "incompatible peer: " + "; ".join(told))
+        return proto.ErrorReply(ErrorCode.INCOMPATIBLE, "incompatible peer: " + "; ".join(told))
 
     def _on_handshake(self, msg: proto.HandshakeRequest) -> proto.Reply:
         agent = self.agents.get(msg.tp_rank)
         if agent is None:
             return proto.ErrorReply(
-                "no_rank", f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
+                ErrorCode.NO_RANK, f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
         logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
                     msg.tp_rank)
         return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
@@ -248,11 +249,11 @@ class SideChannelServer:
                  | proto.PushResult) -> proto.Reply:
         if self.push is None:
             return proto.ErrorReply(
-                "not_push", f"engine {self.engine_id} does not run transfer_mode='push'")
+                ErrorCode.NOT_PUSH, f"engine {self.engine_id} does not run transfer_mode='push'")
         return self.push.handle(msg)
 
     def _no_leases(self) -> proto.Reply:
-        return proto.ErrorReply("not_producer", f"engine {self.engine_id} holds no leases")
+        return proto.ErrorReply(ErrorCode.NOT_PRODUCER, f"engine {self.engine_id} holds no leases")
 
     def close(self) -> None:
         self._stop.set()
@@ -322,14 +323,14 @@ class SideChannelClient:
             raise SideChannelError(
                 f"side channel {addr} did not answer within {self.timeout_ms} ms ({exc})"
                 if timed_out else f"side channel {addr}: {exc}",
-                "timeout" if timed_out else "unreachable",
+                ErrorCode.TIMEOUT if timed_out else ErrorCode.UNREACHABLE,
             ) from exc
         data = parts[-1]
         try:
             reply = proto.decode_reply(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise SideChannelError(f"side channel {addr} sent a malformed reply: {exc}",
-                                   "bad_reply") from exc
+                                   ErrorCode.BAD_REPLY) from exc
         if self.auth is not None and not isinstance(reply, proto.ErrorReply):
             # An unsigned error can only fail this request; anything else
             # must come from a holder of the secret.
@@ -340,7 +341,7 @@ class SideChannelClient:
                 self.auth.verify_reply(parts[0], data, nonce)
             except AuthError as exc:
                 raise SideChannelError(f"side channel {addr}: {exc.reason}",
-                                       "unauthenticated") from None
+                                       ErrorCode.UNAUTHENTICATED) from None
         if isinstance(reply, proto.ErrorReply):
             raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import RecvSpec
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.transport import Transport, TransportError, XferState
 from vllm_pd_ext.transport.coalesce import build_descriptors
@@ -47,7 +46,9 @@ from vllm_pd_ext.wire import outbox, telemetry
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.protocol import ErrorCode
 from vllm_pd_ext.wire.side_channel import SideChannelError
+from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.wire.telemetry import TransferRecord
 
 logger = get_logger(__name__)
@@ -278,7 +279,7 @@ class PullReader:
     def _adopt(self, entry: _PeerEntry, reply: proto.Reply | SideChannelError) -> Peer:
         engine_id, host, port = entry.key
         if isinstance(reply, SideChannelError):
-            reason = (FailureReason.INCOMPATIBLE if reply.code == "incompatible"
+            reason = (FailureReason.INCOMPATIBLE if reply.code == ErrorCode.INCOMPATIBLE
                       else FailureReason.HANDSHAKE)
             # A P that did not answer holds no pin of ours: nothing to release.
             raise LoadFailed(reason, str(reply), release=reply.refused)

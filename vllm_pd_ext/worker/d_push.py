@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import PushRecvSpec
 from vllm_pd_ext.transport import Transport
 from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.specs import PushRecvSpec
 
 logger = get_logger(__name__)
 

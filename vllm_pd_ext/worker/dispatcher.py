@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from vllm_pd_ext import compat
+from vllm_pd_ext.compat import patches
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata
@@ -49,11 +50,7 @@ class PDWorker:
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.engine_id = compat.engine_id(vllm_config)
-        if tp_rank is None:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            tp_rank = get_tensor_model_parallel_rank()
-        self.tp_rank = tp_rank
+        self.tp_rank = compat.tp_rank() if tp_rank is None else tp_rank
         self.compat = compat.compat_info(vllm_config, cfg.transfer_mode)
         #: Signs this worker's side-channel messages (pins, releases, results).
         self.auth = cfg.frame_auth()
@@ -79,10 +76,8 @@ class PDWorker:
         self.regions = compat.kv_regions(kv_caches, num_blocks)
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         device_id = (first.device.index or 0) if first.is_cuda else 0
-        if self.cfg.quiet_shm_spin and compat.is_cpu_platform():
-            logger.info("PDConnector: %d shared-memory queue reader(s) of worker rank %d wait "
-                        "on notifications instead of spinning (quiet_shm_spin)",
-                        compat.quiet_shm_spin(), self.tp_rank)
+        # This worker process's patches of vLLM (its shared-memory queue readers).
+        patches.apply(patches.Process.WORKER, patches.Context(cfg=self.cfg))
         if self.transport is None:
             from vllm_pd_ext.transport import make_nixl_transport
 

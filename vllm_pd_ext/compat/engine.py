@@ -1,0 +1,125 @@
+"""Patches of the EngineCore's and the workers' internals (see ``patches``).
+
+- ``quiet_shm_spin``: vLLM's shared-memory queue readers sleep on their
+  notification instead of spinning for 1 s after every message;
+- ``on_engine_shutdown``: the connector hears vLLM's SIGTERM/SIGINT;
+- ``ensure_drain_window``: a SIGTERM drains (``shutdown_timeout``).
+
+Applied only through ``patches.apply``, which probes each target first.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: How long a quieted reader sleeps before it looks at the queue again:
+#: 1 ms within 100 ms of its last message (the engine is stepping), 10 ms
+#: after that (idle: 100 wake-ups a second, well under 1% of a core).
+QUIET_POLL_MS = (1, 10)
+QUIET_ACTIVE_S = 0.1
+
+
+def quiet_shm_spin() -> int:
+    """Stop this process's readers of vLLM's shared-memory message queues
+    from spinning; returns how many readers were changed.
+
+    vLLM's ``MessageQueue`` reader busy-waits with ``sched_yield`` for 1 s
+    after every message (``SpinCondition.busy_loop_s``) before it sleeps on
+    the queue's ZMQ notification. An engine with connector work pending
+    steps back to back, so its worker (reading the step RPCs) and its
+    EngineCore (reading the answers) never stop spinning. On CPU, where P
+    and D may share cores, those spinners took a whole core from the other
+    engine's EngineCore: a push P with a finished prefill got 4 ms of CPU in
+    7 s and its side channel stopped answering (issue 11's soak).
+
+    A quieted reader sleeps in ``poll`` on the notification socket, but for
+    at most ``QUIET_POLL_MS`` at a time: the notifications alone are not
+    enough (with ``busy_loop_s = 0`` and nothing else, about one request in
+    two stalled 5 s, until the reader's own timeout: a wake-up went
+    missing, which vLLM's spin normally hides). The queue is checked again
+    after every poll, so a missed notification costs at most 1 ms while the
+    engine steps and 10 ms for the first message after an idle spell.
+    Found by scanning the process's objects once (the queues are private to
+    vLLM's executor); vLLM-version specific, hence here.
+    """
+    import gc
+    import time
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    changed = 0
+    for obj in gc.get_objects():
+        # type(), not isinstance(): isinstance reads __class__, which lazy
+        # module proxies answer with deprecation warnings.
+        if not issubclass(type(obj), MessageQueue):
+            continue
+        spin = getattr(obj, "_spin_condition", None)
+        if spin is None or not getattr(spin, "is_reader", False) or not spin.busy_loop_s:
+            continue
+
+        def wait(timeout_ms: int | None = None, _spin: Any = spin) -> None:
+            active = time.monotonic() - _spin.last_read < QUIET_ACTIVE_S
+            limit = QUIET_POLL_MS[0] if active else QUIET_POLL_MS[1]
+            if timeout_ms is not None:
+                limit = min(limit, timeout_ms)
+            events = dict(_spin.poller.poll(timeout=limit))
+            if _spin.local_notify_socket in events:
+                # CONFLATE keeps only the last notification: one read empties it.
+                _spin.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+
+        spin.busy_loop_s = 0
+        spin.wait = wait
+        changed += 1
+    return changed
+
+
+def ensure_drain_window(vllm_config: Any, drain_timeout_s: float) -> int:
+    """Give vLLM's shutdown a drain window; returns the window in seconds.
+
+    vLLM's EngineCore drains on SIGTERM only with ``--shutdown-timeout`` > 0
+    (its default 0 aborts every request at once, which would cut a D's READ
+    of a lease P granted). While draining it keeps stepping as long as it has
+    work, and the connector counts as work while a granted lease still pins
+    blocks (``on_engine_shutdown``, ``PDScheduler.has_pending_push_work``).
+    A window the user set wins.
+    """
+    current = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
+    if current == 0 and drain_timeout_s > 0:
+        current = max(1, math.ceil(drain_timeout_s))
+        vllm_config.shutdown_timeout = current
+    return current
+
+
+def on_engine_shutdown(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` when this EngineCore process is told to shut down.
+
+    vLLM's EngineCore installs its SIGTERM/SIGINT handler before it builds
+    the scheduler (and so the connector), on the main thread; this chains
+    ``callback`` in front of it. The connector needs to know, because vLLM
+    decides whether a draining engine still has work from its own queues,
+    and a P's leased blocks are held by the connector, not by vLLM's
+    requests (``PDScheduler.has_pending_push_work``). Returns False (and
+    changes nothing) off the main thread or when the handler is not vLLM's.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    chained = False
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        prev = signal.getsignal(sig)
+        if not callable(prev) or not getattr(prev, "__module__", "").startswith("vllm."):
+            continue
+
+        def handler(signum: int, frame: Any, prev: Callable[..., Any] = prev) -> None:
+            try:
+                callback()
+            finally:
+                prev(signum, frame)
+
+        signal.signal(sig, handler)
+        chained = True
+    return chained

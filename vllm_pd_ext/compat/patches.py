@@ -1,0 +1,311 @@
+"""Every patch of vLLM internals (and every vLLM internal we rely on), in one table.
+
+Each ``Patch`` names its target inside vLLM, the vLLM versions it was written
+for, the processes it belongs to and why it exists. Lifecycle:
+
+1. ``apply(process, ctx)`` is the one explicit call per process (the
+   EngineCore: the connector's scheduler half; a worker: its
+   ``register_kv_caches``; the API server: our middlewares). For each patch
+   of that process it first runs ``probe()`` (is the target where the patch
+   expects it?), then ``apply`` if the patch changes something, and logs one
+   line: applied, checked (an internal we only rely on), or skipped with the
+   reason (turned off in ``kv_connector_extra_config``, not this platform).
+2. A patch whose target moved is never applied blind: it is skipped with an
+   ERROR naming what moved, and the engine runs as a vLLM without that
+   adaptation would (slower, or without the feature, as the line says).
+   ``tests/component/test_vllm_patches.py`` probes every entry against the
+   installed vLLM, so a moved target fails CI before it reaches production.
+
+Adding a patch: write its probe and its apply here, add the row to
+``PATCHES``, and the test covers it.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind
+from vllm_pd_ext.compat import engine as engine_patches
+from vllm_pd_ext.compat import serving as serving_patches
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.scheduler.affinity import bind_engine_core
+
+logger = get_logger(__name__)
+
+
+class Process(enum.Enum):
+    API_SERVER = "API server"
+    ENGINE_CORE = "EngineCore"
+    WORKER = "worker"
+
+
+class Skip(Exception):
+    """Raised by a patch's ``apply`` that does not apply here; the message says why."""
+
+
+@dataclass
+class Context:
+    """What the patches of one process need."""
+
+    #: The connector's ``PDConfig`` (switches such as ``quiet_shm_spin``).
+    cfg: Any = None
+    vllm_config: Any = None
+    #: EngineCore: called on vLLM's SIGTERM/SIGINT (``engine_shutdown_hook``).
+    on_shutdown: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    #: What it changes or relies on inside vLLM.
+    target: str
+    #: vLLM versions it was written for (prefixes of ``vllm.__version__``).
+    versions: tuple[str, ...]
+    processes: tuple[Process, ...]
+    why: str
+    #: None if the target is where this patch expects it, else what moved.
+    probe: Callable[[], str | None]
+    #: Changes vLLM and returns a detail for the log, or raises ``Skip``;
+    #: None for an internal we only rely on (probed, never changed).
+    apply: Callable[[Context], str] | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    #: "applied", "checked", "skipped" or "moved".
+    status: str
+    detail: str
+
+
+# --------------------------------------------------------------------------- probes
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _import(path: str) -> Any:
+    """``module.attr.attr`` -> the object; raises ``LookupError`` naming the part."""
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                raise LookupError(f"{path}: no {attr!r}")
+            obj = getattr(obj, attr)
+        return obj
+    raise LookupError(f"{path}: no such module")
+
+
+def _needs(path: str, *snippets: str) -> Callable[[], str | None]:
+    """A probe: ``path`` exists and its source contains every snippet."""
+    def probe() -> str | None:
+        try:
+            obj = _import(path)
+        except LookupError as exc:
+            return str(exc)
+        text = _source(obj)
+        missing = [s for s in snippets if s not in text]
+        return f"{path} no longer contains {missing}" if missing else None
+    return probe
+
+
+def _has_field(path: str, name: str) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        try:
+            cls = _import(path)
+        except LookupError as exc:
+            return str(exc)
+        names = {f.name for f in fields(cls)} if is_dataclass(cls) else set(dir(cls))
+        return None if name in names else f"{path} has no field {name!r}"
+    return probe
+
+
+def _all(*probes: Callable[[], str | None]) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        found = [p() for p in probes]
+        moved = [m for m in found if m]
+        return "; ".join(moved) if moved else None
+    return probe
+
+
+# -------------------------------------------------------------------------- applies
+def _apply_quiet_shm_spin(ctx: Context) -> str:
+    if ctx.cfg is not None and not ctx.cfg.quiet_shm_spin:
+        raise Skip("quiet_shm_spin is false")
+    if not is_cpu_platform():
+        raise Skip("not a CPU platform")
+    n = engine_patches.quiet_shm_spin()
+    return f"{n} shared-memory queue reader(s) wait on notifications instead of spinning"
+
+
+def _apply_shutdown_hook(ctx: Context) -> str:
+    if ctx.on_shutdown is None:
+        raise Skip("no callback")
+    if threading.current_thread() is not threading.main_thread():
+        raise Skip("not on the main thread")
+    if not engine_patches.on_engine_shutdown(ctx.on_shutdown):
+        raise Skip("vLLM's EngineCore signal handler is not installed in this process")
+    return "SIGTERM/SIGINT also tell the connector (granted leases keep a drain stepping)"
+
+
+def _apply_drain_window(ctx: Context) -> str:
+    window = engine_patches.ensure_drain_window(ctx.vllm_config, ctx.cfg.drain_timeout)
+    return (f"on SIGTERM the EngineCore drains for up to {window} s (granted leases are "
+            "served first; drain_timeout / --shutdown-timeout)")
+
+
+def _apply_affinity(ctx: Context) -> str:
+    if not ctx.cfg.bind_engine_core:
+        raise Skip("bind_engine_core is false")
+    cores = bind_engine_core(is_cpu_platform(), omp_threads_bind())
+    if cores is None:
+        raise Skip("not CPU, or VLLM_CPU_OMP_THREADS_BIND is not one explicit core list "
+                   "that narrows this process's cores")
+    return f"EngineCore bound to cores {','.join(map(str, sorted(cores)))}"
+
+
+def _apply_stream_params(ctx: Context) -> str:
+    serving_patches.stream_kv_transfer_params()
+    return "streamed answers carry kv_transfer_params in their finishing chunk"
+
+
+_V = ("0.32", "0.33")
+_SHM = "vllm.distributed.device_communicators.shm_broadcast"
+_SERVING = "vllm.entrypoints.openai"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "quiet_shm_spin", f"{_SHM}.MessageQueue readers (SpinCondition.busy_loop_s, .wait)",
+        _V, (Process.ENGINE_CORE, Process.WORKER),
+        "a reader busy-waits 1 s after every message; on CPU, P and D share cores and the "
+        "spinners starved the other engine (issue 11's soak)",
+        _all(_needs(f"{_SHM}.SpinCondition.__init__", "busy_loop_s", "last_read", "poller",
+                    "local_notify_socket"),
+             _needs(f"{_SHM}.SpinCondition", "def wait"),
+             _needs(f"{_SHM}.MessageQueue", "_spin_condition")),
+        _apply_quiet_shm_spin),
+    Patch(
+        "engine_shutdown_hook", "vllm.v1.engine.core SIGTERM/SIGINT handler (chained)",
+        _V, (Process.ENGINE_CORE,),
+        "vLLM decides a draining engine's work from its own queues; the connector's leased "
+        "blocks must count too (PDScheduler.has_pending_push_work)",
+        _needs("vllm.v1.engine.core", "signal.signal(signal.SIGTERM",
+               "signal.signal(signal.SIGINT"),
+        _apply_shutdown_hook),
+    Patch(
+        "drain_window", "VllmConfig.shutdown_timeout (set when 0)",
+        _V, (Process.ENGINE_CORE,),
+        "vLLM's default 0 aborts every request on SIGTERM, cutting a D's READ of a lease P "
+        "granted",
+        _has_field("vllm.config.VllmConfig", "shutdown_timeout"),
+        _apply_drain_window),
+    Patch(
+        "engine_core_affinity", "VLLM_CPU_OMP_THREADS_BIND (vLLM CPU's worker cores)",
+        _V, (Process.ENGINE_CORE,),
+        "the EngineCore floats over every core and took the other engine's (issue 10)",
+        _needs("vllm.envs", "VLLM_CPU_OMP_THREADS_BIND"),
+        _apply_affinity),
+    Patch(
+        "block_pool", "vllm.v1.core.block_pool.BlockPool (blocks, touch, free_blocks)",
+        _V, (Process.ENGINE_CORE,),
+        "P pins a finished prefill's blocks itself instead of vLLM's delayed free, which "
+        "keeps an idle P stepping (leases.lender)",
+        _all(_needs("vllm.v1.core.block_pool.BlockPool.__init__", "self.blocks"),
+             _needs("vllm.v1.core.block_pool.BlockPool", "def touch", "def free_blocks"))),
+    Patch(
+        "connector_registry", "KVConnectorFactory.register_connector",
+        _V, (Process.API_SERVER, Process.ENGINE_CORE, Process.WORKER),
+        "the plugin entry point registers PDConnector by name (compat.register_connector)",
+        _needs("vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory",
+               "def register_connector", "is already registered")),
+    Patch(
+        "stream_kv_transfer_params",
+        f"{_SERVING}.completion.serving.OpenAIServingCompletion.completion_stream_generator, "
+        f"{_SERVING}.chat_completion.serving.OpenAIServingChat.chat_completion_stream_generator",
+        _V, (Process.API_SERVER,),
+        "multi-turn needs D's kept-turn params in streamed answers too, as newer vLLM sends",
+        serving_patches.probe_stream_generators,
+        _apply_stream_params),
+    Patch(
+        "api_server_sigint", "vllm.entrypoints.launchers.launcher.serve_http signal handlers",
+        _V, (Process.API_SERVER,),
+        "the drain middleware takes SIGTERM and, once drained, hands over with SIGINT, which "
+        "vLLM's API server must treat as SIGTERM",
+        _needs("vllm.entrypoints.launchers.launcher.serve_http",
+               "add_signal_handler(signal.SIGINT", "add_signal_handler(signal.SIGTERM")),
+    Patch(
+        "argv_kv_transfer_config", "the API server's --kv-transfer-config (sys.argv)",
+        _V, (Process.API_SERVER,),
+        "the middlewares have no connector instance and read its extra config from argv",
+        _has_field("vllm.engine.arg_utils.EngineArgs", "kv_transfer_config")),
+)
+
+_once: dict[Process, list[Outcome]] = {}
+_once_lock = threading.Lock()
+
+
+def apply(process: Process, ctx: Context | None = None) -> list[Outcome]:
+    """Apply (or check) every patch of ``process``; one log line each.
+
+    Called once by each object that owns a process's setup: the scheduler
+    half (EngineCore), the worker half (each worker). Applying twice is
+    harmless (each patch is idempotent) but logs twice.
+    """
+    ctx = ctx or Context()
+    return [_apply_one(patch, process, ctx) for patch in PATCHES if process in patch.processes]
+
+
+def apply_once(process: Process, ctx: Context | None = None) -> list[Outcome]:
+    """``apply``, at most once per process: the API server builds one instance
+    of each of our middlewares, and either may be configured alone."""
+    with _once_lock:
+        if process not in _once:
+            _once[process] = apply(process, ctx)
+        return _once[process]
+
+
+def _apply_one(patch: Patch, process: Process, ctx: Context) -> Outcome:
+    written = "/".join(patch.versions)
+    moved = patch.probe()
+    if moved is not None:
+        logger.error("PDConnector: vLLM patch %s skipped: written for vLLM %s, and in vLLM %s "
+                     "its target moved (%s); running without it (%s)", patch.name, written,
+                     VLLM_VERSION, moved, patch.why)
+        return Outcome(patch.name, "moved", moved)
+    if not VLLM_VERSION.startswith(patch.versions):
+        logger.warning("PDConnector: vLLM patch %s was written for vLLM %s, this is %s; its "
+                       "target is still in place", patch.name, written, VLLM_VERSION)
+    if patch.apply is None:
+        logger.debug("PDConnector: vLLM internal %s checked (%s)", patch.name, patch.target)
+        return Outcome(patch.name, "checked", patch.target)
+    try:
+        detail = patch.apply(ctx)
+    except Skip as exc:
+        logger.info("PDConnector: vLLM patch %s skipped in the %s: %s", patch.name,
+                    process.value, exc)
+        return Outcome(patch.name, "skipped", str(exc))
+    logger.info("PDConnector: vLLM patch %s applied in the %s: %s", patch.name,
+                process.value, detail)
+    return Outcome(patch.name, "applied", detail)
+
+
+def probe_all() -> dict[str, str | None]:
+    """Every patch's probe against the installed vLLM (changes nothing)."""
+    return {patch.name: patch.probe() for patch in PATCHES}
+
+
+__all__ = ["PATCHES", "Context", "Outcome", "Patch", "Process", "Skip", "apply", "apply_once",
+           "probe_all"]

@@ -1,0 +1,280 @@
+"""D: the requests that load their prompt's KV from P, from arrival to end.
+
+Runs on D's scheduler thread (EngineCore process), called by the dispatcher
+for every ``Leg.D_LOAD`` request. Lifecycle of one request (its
+``load_state.LoadState`` in brackets):
+
+1. ``arrive`` (``on_new_request``): the params were decoded once
+   (``legs.decode_leg``); here they are checked against this engine (prompt
+   digest, transfer mode, TP size, a P lease another live request already
+   uses). A refused request keeps a record without params: its load fails
+   with ``bad_params``. Otherwise heartbeats to P start at once. [WAITING]
+2. ``matched_tokens`` (``get_num_new_matched_tokens``): every prompt token
+   D does not hold is loaded asynchronously.
+3. ``allocate`` (``update_state_after_alloc``): the mode's consumer
+   (``d_pull.PullConsumer`` or ``d_push.PushConsumer``) pairs D's fresh
+   blocks with P's; the spec (or the failure) goes into this step's payload.
+   [LOADING, or READY when D's prefix cache held everything]
+4. ``reported`` (``update_connector_output``): the workers reported the load,
+   done or failed; heartbeats stop. [READY]
+5. ``finish`` (``request_finished``): a request that never loaded releases
+   P's lease; a finished turn may be kept for the next one (``d_keep``).
+   A load still in flight keeps the record until step 4. [ENDED]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from vllm_pd_ext import compat
+from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.policy import FailureReason
+from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
+from vllm_pd_ext.scheduler.legs import DecodedLeg
+from vllm_pd_ext.scheduler.load_state import Load, LoadState
+from vllm_pd_ext.wire import auth, telemetry
+from vllm_pd_ext.wire.protocol import KVTransferParams, TransferMode
+from vllm_pd_ext.wire.specs import LayoutProblem, PushRecvSpec, RecvSpec
+
+logger = get_logger(__name__)
+
+
+class DMode(Protocol):
+    """D's half of one transfer mode (``d_pull.PullConsumer``, ``d_push.PushConsumer``)."""
+
+    def allocate(self, rid: str, params: KVTransferParams, num_prompt_tokens: int,
+                 num_external_tokens: int, local_blocks: list[int], prompt_digest: str = ""
+                 ) -> RecvSpec | PushRecvSpec | LayoutProblem | None: ...
+
+    def end(self, rid: str, params: KVTransferParams, state: LoadState) -> None:
+        """vLLM finished the request before its load (``state`` WAITING) or
+        while it is in flight (LOADING; the workers still report it)."""
+
+    def loaded(self, rid: str) -> None:
+        """The workers reported the request's load (done or failed)."""
+
+    def poll(self) -> dict[str, tuple[str, str]]:
+        """Loads that must be reported failed this step: id -> (reason, detail)."""
+
+    def register_seconds(self, rid: str) -> float | None: ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests whose KV this half still waits for (``poll`` has work)."""
+
+
+def lease_key(params: KVTransferParams) -> str:
+    """The id both engines know the lease by: the proxy's ``pd_request_id`` in
+    push mode, P's request id (``remote_request_id``) in pull mode."""
+    if params.mode is TransferMode.PUSH:
+        return str(params.pd_request_id)
+    return str(params.remote_request_id)
+
+
+@dataclass
+class DRequest(Load):
+    #: None when its params were refused (``bad`` says why).
+    params: KVTransferParams | None
+    bad: str = ""
+    #: The P lease it holds in ``DRequests.lease_users`` (engine id, lease key).
+    lease: tuple[str, str] | None = None
+    #: When it arrived (monotonic): the start of its telemetry's ``kv_ready_ms``.
+    arrived: float = 0.0
+    #: Its load's telemetry, once the workers reported it.
+    transfer: telemetry.TransferRecord | None = None
+
+
+@dataclass
+class StepOut:
+    """What this step's payload carries to the workers."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    push: list[PushRecvSpec] = field(default_factory=list)
+    fail: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+class DRequests:
+    def __init__(self, *, mode: TransferMode, tp_size: int, mode_half: DMode,
+                 heartbeats: HeartbeatSender, keep_turn: Callable[..., dict[str, Any] | None],
+                 telemetry_in_answer: bool) -> None:
+        self.mode = mode
+        self.tp_size = tp_size
+        self.mode_half = mode_half
+        self.heartbeats = heartbeats
+        self._keep_turn = keep_turn
+        self._telemetry_in_answer = telemetry_in_answer
+        self._reqs: dict[str, DRequest] = {}
+        #: (P engine id, lease key) -> the D request using it.
+        self.lease_users: dict[tuple[str, str], str] = {}
+        self.out = StepOut()
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    # ---------------------------------------------------------------- arrival
+    def arrive(self, rid: str, leg: DecodedLeg, request: Any) -> None:
+        params = leg.params
+        if leg.refused or params is None:
+            self._refuse(rid, leg.problem)
+            return
+        digest = params.remote_prompt_digest
+        if (digest and not compat.is_rejection_notice(request)
+                and digest != auth.token_digest(request.prompt_token_ids)):
+            self._refuse(rid, "kv_transfer_params come from the prefill of another prompt "
+                         "(P's prompt digest differs from this request's): its KV would "
+                         "not match")
+            return
+        if params.mode is not self.mode:
+            self._refuse(rid, f"kv_transfer_params.transfer_mode={params.mode.value!r} but this "
+                         f"engine runs transfer_mode={self.mode.value!r} (give P, D and the "
+                         "proxy the same transfer_mode)")
+            return
+        if params.tp_size != self.tp_size:
+            # Never loop over a count from the request: D's own TP size is the
+            # rank count, and the handshake refuses a P whose TP size differs.
+            self._refuse(rid, f"kv_transfer_params.tp_size={params.tp_size} but this engine runs "
+                         f"tensor_parallel_size={self.tp_size} (P and D must use the same TP "
+                         "size)")
+            return
+        key = lease_key(params)
+        lease = (str(params.remote_engine_id), key)
+        user = self.lease_users.get(lease)
+        if user is not None and user != rid:
+            self._refuse(rid, f"kv_transfer_params name P lease {key} of engine {lease[0]}, "
+                         f"which request {user} on this engine is already using (a replayed P "
+                         "answer, or n > 1 / best_of: one prefill's KV feeds one decode)")
+            return
+        self.lease_users[lease] = rid
+        self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic())
+        assert params.remote_host is not None and params.remote_port is not None
+        self.heartbeats.track(rid, (params.remote_host, params.remote_port), key)
+        logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
+                    rid, key, params.remote_engine_id, params.mode.value)
+
+    def _refuse(self, rid: str, why: str) -> None:
+        self._reqs[rid] = DRequest(None, bad=why)
+        logger.error("PDConnector: request %s: %s; its KV load will fail", rid, why)
+
+    # ---------------------------------------------------------------- the load
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
+        """vLLM's ``get_num_new_matched_tokens`` answer; None: not a D request."""
+        d = self._reqs.get(request.request_id)
+        if d is None:
+            return None
+        if d.state is not LoadState.WAITING:
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def allocate(self, request: Any, local_blocks: list[int], num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks: queue its load (or its failure)."""
+        rid = request.request_id
+        d = self._reqs.get(rid)
+        if d is None or d.state is not LoadState.WAITING:
+            return
+        if d.params is None:
+            # Claimed tokens must be reported (failed), or vLLM waits forever.
+            d.allocate(loading=num_external_tokens > 0)
+            if d.in_flight:
+                self.out.fail[rid] = (FailureReason.BAD_PARAMS.value, d.bad)
+            return
+        spec = self.mode_half.allocate(
+            rid, d.params, request.num_prompt_tokens, num_external_tokens, local_blocks,
+            prompt_digest=auth.token_digest(request.prompt_token_ids))
+        d.allocate(loading=spec is not None)
+        if spec is None or isinstance(spec, LayoutProblem):
+            self.heartbeats.untrack(rid)  # P was told it is not needed
+        if isinstance(spec, LayoutProblem):
+            self.out.fail[rid] = (FailureReason.LAYOUT.value, spec.why)
+        elif isinstance(spec, RecvSpec):
+            self.out.recv.append(spec)
+        elif isinstance(spec, PushRecvSpec):
+            self.out.push.append(spec)
+
+    def take_step(self) -> StepOut:
+        out, self.out = self.out, StepOut()
+        return out
+
+    def poll(self) -> dict[str, tuple[str, str]]:
+        """Push waits that ended without the KV this step (pull: none)."""
+        if not self.mode_half.num_waiting:
+            return {}
+        failed = self.mode_half.poll()
+        for rid in failed:
+            self.heartbeats.untrack(rid)
+        return failed
+
+    def reported(self, rid: str) -> None:
+        """The workers reported ``rid``'s load (done or failed)."""
+        d = self._reqs.get(rid)
+        if d is not None:
+            if d.in_flight and d.reported():
+                del self._reqs[rid]
+            self._end_lease_use(d)
+        self.heartbeats.untrack(rid)
+        self.mode_half.loaded(rid)
+
+    def on_records(self, records: list[telemetry.TransferRecord]) -> None:
+        """Complete the workers' telemetry records with what only the scheduler
+        knows (where the KV came from, time since arrival, push's registration
+        round trip), log each as one line, keep it for the request's answer."""
+        now = time.monotonic()
+        for rid, rec in telemetry.merge_by_request(records).items():
+            d = self._reqs.get(rid)
+            if d is not None and d.params is not None:
+                params = d.params
+                fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
+                if not rec.p_engine:
+                    fill.update(p_engine=str(params.remote_engine_id),
+                                p_addr=f"{params.remote_host}:{params.remote_port}")
+                if not rec.remote_request_id:
+                    fill["remote_request_id"] = lease_key(params)
+                register = self.mode_half.register_seconds(rid)
+                if register is not None:
+                    fill["register_ms"] = telemetry.ms(register)
+                rec = d.transfer = msgspec.structs.replace(rec, **fill)
+            logger.info("%s", telemetry.log_line(rec))
+
+    # ---------------------------------------------------------------- the end
+    def finish(self, rid: str, request: Any, block_ids: list[int]
+               ) -> tuple[bool, dict[str, Any] | None] | None:
+        """vLLM's ``request_finished`` answer for a D request; None: not ours."""
+        d = self._reqs.get(rid)
+        if d is None:
+            return None
+        answer = self._finish(rid, d, request, block_ids)
+        if self._telemetry_in_answer and d.transfer is not None:
+            answer = {**(answer or {}), telemetry.PARAMS_KEY: telemetry.to_dict(d.transfer)}
+        # Never (True, ...): vLLM frees D's blocks itself (after the workers
+        # reported a load in flight).
+        return False, answer
+
+    def _finish(self, rid: str, d: DRequest, request: Any, block_ids: list[int]
+                ) -> dict[str, Any] | None:
+        before = d.state
+        if d.end():
+            self._end_lease_use(d)
+            del self._reqs[rid]
+        if d.params is None:
+            return None
+        if before in (LoadState.WAITING, LoadState.LOADING):
+            # The load never started, or is in flight: no turn to keep. The
+            # mode half frees P's side (or, push, stops P's WRITE first).
+            if before is LoadState.WAITING or self.mode is TransferMode.PUSH:
+                self.heartbeats.untrack(rid)
+            self.mode_half.end(rid, d.params, before)
+            return None
+        return self._keep_turn(request, block_ids, d.params)
+
+    def _end_lease_use(self, d: DRequest) -> None:
+        if d.lease is not None:
+            self.lease_users.pop(d.lease, None)
+            d.lease = None

@@ -1,0 +1,51 @@
+"""What D's scheduler half asks its workers to load, one step at a time.
+
+Pure dataclasses (no vLLM import): the scheduler's role modules build them,
+``metadata.PDConnectorMetadata`` carries them to the workers inside vLLM's
+step payload (pickled), and the workers' role modules consume them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """One request whose prompt KV this engine must READ from a peer (D from
+    P in pull mode; P from D when reading a kept turn back)."""
+
+    request_id: str
+    local_block_ids: list[int]
+    #: The peer's block ids matching ``local_block_ids`` one to one (this
+    #: engine's prefix-cache hit already cut off the front).
+    remote_block_ids: list[int]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    num_tokens: int
+    #: Bidirectional: P reads a previous turn's KV back from D (same READ,
+    #: counted apart in the metrics).
+    readback: bool = False
+
+
+@dataclass(frozen=True)
+class PushRecvSpec:
+    """One D request whose prompt KV P will write into ``local_block_ids``."""
+
+    request_id: str
+    pd_request_id: str
+    local_block_ids: list[int]
+    num_tokens: int
+    #: The registration's ``notif_token``: only P's notification carries it.
+    notif_token: str = ""
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """Why D's blocks cannot take P's KV (scheduler half, either mode); the
+    load fails with ``layout_mismatch``."""
+
+    why: str
