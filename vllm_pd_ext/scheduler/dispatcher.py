@@ -26,8 +26,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
 from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.lender import BlockLender
@@ -43,13 +41,14 @@ from vllm_pd_ext.scheduler.d_push import PushConsumer
 from vllm_pd_ext.scheduler.d_requests import DMode, DRequests
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
 from vllm_pd_ext.scheduler.legs import DecodedLeg, Leg, decode_leg
-from vllm_pd_ext.scheduler.p_pull import PMode, PullProducer
+from vllm_pd_ext.scheduler.p_handover import PMode, hand_over
+from vllm_pd_ext.scheduler.p_pull import PullProducer
 from vllm_pd_ext.scheduler.p_push import PushProducer
 from vllm_pd_ext.scheduler.p_readback import ReadBackConsumer
 from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.wire import auth
 from vllm_pd_ext.wire import protocol as proto
-from vllm_pd_ext.wire.protocol import KVTransferParams, TransferMode, answer_params
+from vllm_pd_ext.wire.protocol import KVTransferParams, TransferMode
 from vllm_pd_ext.wire.side_channel import SideChannelServer
 from vllm_pd_ext.wire.wakeup import IdleWait, should_wait
 
@@ -277,49 +276,8 @@ class PDScheduler:
             # A turn D prefilled itself (the proxy's local decision).
             return False, self.keeper.keep(request, block_ids, leg.params, self._sweep)
         # vLLM drops its own references now; the lender's keep the blocks.
-        return False, self._hand_over(request, block_ids, leg.kind, leg.params)
-
-    def _hand_over(self, request: Any, block_ids: list[int], kind: Leg,
-                   params: KVTransferParams) -> dict[str, Any] | None:
-        """P: lend a finished prefill's blocks to D; P's answer, or None."""
-        rid = request.request_id
-        ours = params.mode is self.mode
-        key = self.p_mode.lease_key(rid, params)
-        if ours:
-            self.p_mode.retire(key)
-        if kind is Leg.PROBE:
-            return answer_params(self.identity)
-        if not compat.is_finished_ok(request) or not block_ids:
-            logger.info("PDConnector: prefill %s ended with %s; no KV handed over", rid,
-                        request.status)
-            if ours:
-                # A D already waiting for this KV learns it now, not at its deadline.
-                self.p_mode.prefill_failed(key, rid, str(request.status))
-            return None
-        if not ours:
-            logger.error("PDConnector: prefill %s asks for transfer_mode=%r but this engine runs "
-                         "%r; blocks freed, no KV handed over", rid, params.mode.value,
-                         self.mode.value)
-            return None
-        digest = auth.token_digest(request.prompt_token_ids)
-        num_tokens = int(request.num_computed_tokens)
-        try:
-            expiry = self.p_mode.lend(key, rid, list(block_ids), num_tokens, digest)
-        except KeyError:
-            logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
-                         "blocks freed, no KV handed over", rid, key)
-            return None
-        self._stats.inc("num_leases_granted")
-        logger.info("PDConnector: prefill %s done; lease on %d blocks for %.0f s",
-                    rid, len(block_ids), self.cfg.lease_duration)
-        return answer_params(msgspec.structs.replace(
-            self.identity,
-            remote_block_ids=[list(block_ids)],
-            remote_request_id=key,
-            remote_num_tokens=num_tokens,
-            remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
-            remote_prompt_digest=digest,
-        ))
+        return False, hand_over(self.p_mode, self.identity, request, block_ids, leg.kind,
+                                leg.params, self._stats, self.cfg.lease_duration)
 
     # ---------------------------------------------------------------- stats, end
     def get_kv_connector_stats(self) -> PDStats | None:

@@ -7,43 +7,15 @@ own request id (what D learns as ``remote_request_id``), for every D rank
 to read (``tp_size`` consumers). D's workers then pin, READ and release it
 over the side channel (``leases.service``); the sweep frees the blocks.
 
-Push mode's half (``p_push.PushProducer``) has the same operations, keyed
-by the proxy's ``pd_request_id``, and starts P's WRITEs instead.
+Both modes' P halves implement ``p_handover.PMode``; push mode's
+(``p_push.PushProducer``) keys its leases by the proxy's ``pd_request_id``
+and starts P's WRITEs once D registered.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from vllm_pd_ext.leases.lender import BlockLender
 from vllm_pd_ext.wire.protocol import KVTransferParams
-
-
-class PMode(Protocol):
-    """P's half of one transfer mode (``PullProducer``, ``p_push.PushProducer``)."""
-
-    def lease_key(self, request_id: str, params: KVTransferParams) -> str:
-        """The id P's lease (and D's heartbeats) go by."""
-
-    def admit(self, key: str) -> None:
-        """P's leg arrived (before its prefill is scheduled)."""
-
-    def retire(self, key: str) -> None:
-        """P's leg finished, however it ended."""
-
-    def prefill_failed(self, key: str, request_id: str, status: str) -> None:
-        """The prefill ended without KV to hand over."""
-
-    def lend(self, key: str, request_id: str, block_ids: list[int], num_tokens: int,
-             prompt_digest: str) -> float:
-        """Lease the prompt's blocks to D; the lease's monotonic expiry.
-        ``KeyError`` if ``key`` is leased already (nothing pinned then)."""
-
-    def sweep(self) -> None:
-        """Every step, before the lease sweep."""
-
-    def forget_expired(self, keys: list[str]) -> None:
-        """Inside the lease sweep: these leases expired unreleased."""
 
 
 class PullProducer:

@@ -24,9 +24,10 @@ and never blocks the step:
   meanwhile, so other requests' decode is not held up. READING polls.
 
 A READ that cannot be released (it may still write into D's blocks) keeps
-its load unreported, and so D's blocks allocated, until it settles. A
-peer's NIXL agent is removed only when no READ uses it, and idle peers are
-forgotten after ``PEER_IDLE_TTL_S``.
+its load unreported, and so D's blocks allocated, until it settles. P's
+NIXL agents live in ``peers.AgentCache`` (the cache P's pusher uses for D's):
+one is removed only when no READ uses it, and an idle one after
+``PEER_IDLE_TTL_S``, with its cached handshake.
 """
 
 from __future__ import annotations
@@ -50,13 +51,12 @@ from vllm_pd_ext.wire.protocol import ErrorCode
 from vllm_pd_ext.wire.side_channel import SideChannelError
 from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.wire.telemetry import TransferRecord
+from vllm_pd_ext.worker.peers import PEER_IDLE_TTL_S, AgentCache, CachedAgent, layout_problem
 
 logger = get_logger(__name__)
 
 #: Never post a READ with less than this left on the pinned lease.
 PIN_SAFETY_MARGIN_S = 1.0
-#: A peer no load used for this long is forgotten (its agent removed).
-PEER_IDLE_TTL_S = 300.0
 #: How often ``advance`` looks for idle peers.
 REAP_EVERY_S = 1.0
 
@@ -75,27 +75,15 @@ class RecvState(enum.Enum):
 
 
 @dataclass
-class Peer:
-    """A checked handshake: P's NIXL agent for this rank and its layout."""
-
-    key: PeerKey
-    name: str
-    agent: proto.AgentInfo
-    #: Loads whose READ was posted on this agent and has not settled.
-    users: int = 0
-    retired: bool = False
-
-
-@dataclass
 class _PeerEntry:
-    """The handshake cache slot of one ``PeerKey``."""
+    """The handshake cache slot of one ``PeerKey``: its checked handshake is
+    P's NIXL agent for this rank, as loaded in the ``AgentCache``."""
 
     key: PeerKey
-    peer: Peer | None = None
+    peer: CachedAgent | None = None
     #: A handshake in flight: the first, or a suspect peer's re-check.
     pending: Future[proto.Reply | SideChannelError] | None = None
     waiting: set[str] = field(default_factory=set)
-    last_used: float = 0.0
 
 
 @dataclass
@@ -104,7 +92,7 @@ class RecvJob:
     arrived: float
     deadline: float
     state: RecvState = RecvState.HANDSHAKE
-    peer: Peer | None = None
+    peer: CachedAgent | None = None
     future: Future[Any] | None = None
     pin_sent: float = 0.0
     #: Until when (D's clock) the pin guarantees P keeps the blocks: a READ
@@ -171,10 +159,8 @@ class PullReader:
         # One thread: posts are serialised, never concurrent with each other.
         self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-post")
         self._peers: dict[PeerKey, _PeerEntry] = {}
-        #: Agent name -> the key it was loaded for (a name is never shared).
-        self._names: dict[str, PeerKey] = {}
-        #: Peers replaced or forgotten while READs still use their agent.
-        self._retired: list[Peer] = []
+        self.agents = AgentCache(transport, regions, "P", clock=clock,
+                                 idle_ttl_s=PEER_IDLE_TTL_S)
         self._jobs: dict[str, RecvJob] = {}
         self._next_reap = 0.0
         #: Telemetry of the loads that ended since ``take_records``.
@@ -187,7 +173,8 @@ class PullReader:
             spec, arrived=now, deadline=now + self.transfer_timeout_s)
         entry = self._entry(job.key)
         entry.waiting.add(spec.request_id)
-        entry.last_used = now
+        if entry.peer is not None:
+            self.agents.touch(entry.peer)
 
     def _entry(self, key: PeerKey) -> _PeerEntry:
         entry = self._peers.get(key)
@@ -257,7 +244,7 @@ class PullReader:
                 logger.warning("PDConnector: re-check of engine %s at %s:%d failed (%s); "
                                "forgetting its cached handshake", engine_id, host, port,
                                exc.detail)
-                self._retire(entry.peer)
+                self.agents.retire(entry.peer)
                 entry.peer = None
             self._peers.pop(entry.key, None)
             detail = f"handshake with {host}:{port} failed: {exc.detail}"
@@ -272,11 +259,12 @@ class PullReader:
         if entry.peer is None:
             entry.peer = peer
         elif entry.peer.name != peer.name:  # pragma: no cover - _adopt refuses this
-            self._retire(entry.peer)
+            self.agents.retire(entry.peer)
             entry.peer = peer
         return []
 
-    def _adopt(self, entry: _PeerEntry, reply: proto.Reply | SideChannelError) -> Peer:
+    def _adopt(self, entry: _PeerEntry, reply: proto.Reply | SideChannelError
+               ) -> CachedAgent:
         engine_id, host, port = entry.key
         if isinstance(reply, SideChannelError):
             reason = (FailureReason.INCOMPATIBLE if reply.code == ErrorCode.INCOMPATIBLE
@@ -292,10 +280,9 @@ class PullReader:
         diff = self.compat.diff(reply.compat)
         if diff:
             raise LoadFailed(FailureReason.INCOMPATIBLE, "incompatible peer: " + "; ".join(diff))
-        if len(reply.agent.regions) != len(self.regions) or any(
-                a.block_len != b.block_len for a, b in zip(reply.agent.regions, self.regions,
-                                                           strict=False)):
-            raise LoadFailed(FailureReason.LAYOUT, "KV region layout differs from ours")
+        problem = layout_problem(reply.agent, self.regions)
+        if problem:
+            raise LoadFailed(FailureReason.LAYOUT, problem)
         claimed = reply.agent.agent_name
         if not claimed.startswith(f"{engine_id}-tp{self.tp_rank}-"):
             raise LoadFailed(FailureReason.HANDSHAKE,
@@ -309,25 +296,13 @@ class PullReader:
             logger.info("PDConnector: re-check of engine %s at %s:%d: unchanged", engine_id,
                         host, port)
             return entry.peer
-        owner = self._names.get(claimed)
-        if owner is not None and owner != entry.key:
-            raise LoadFailed(FailureReason.HANDSHAKE,
-                             f"agent {claimed!r} claimed by {host}:{port} already belongs to "
-                             f"engine {owner[0]} at {owner[1]}:{owner[2]}")
         try:
-            name = self.transport.add_peer(reply.agent.agent_metadata)
-        except TransportError as exc:
-            raise LoadFailed(FailureReason.HANDSHAKE, str(exc)) from exc
-        if name != claimed:
-            if name not in self._names:
-                self.transport.remove_peer(name)
-            raise LoadFailed(FailureReason.HANDSHAKE,
-                             f"the NIXL metadata from {host}:{port} is agent {name!r}, but the "
-                             f"handshake claimed {claimed!r}")
-        self._names[name] = entry.key
+            peer = self.agents.load(reply.agent, engine_id, entry.key)
+        except TransportError as exc:  # AgentMismatch included
+            raise LoadFailed(FailureReason.HANDSHAKE, f"{host}:{port}: {exc}") from exc
         logger.info("PDConnector: handshake with engine %s done (agent %s, compat %s)",
-                    reply.engine_id, name, reply.compat.digest())
-        return Peer(entry.key, name, reply.agent)
+                    reply.engine_id, peer.name, reply.compat.digest())
+        return peer
 
     def _step_handshake(self, job: RecvJob) -> None:
         entry = self._peers.get(job.key)
@@ -379,7 +354,7 @@ class PullReader:
         job.nbytes = sum(n for _, _, n in descs)
         job.ndescs = len(descs)
         job.state = RecvState.POSTING
-        peer.users += 1
+        self.agents.acquire(peer)
         job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id,
                                          valid_until - margin, spec.remote_request_id)
         self._step_post(job)
@@ -504,41 +479,18 @@ class PullReader:
             self._handshake(entry)
 
     def _unuse(self, job: RecvJob) -> None:
-        peer = job.peer
-        if peer is not None and job.state in (RecvState.POSTING, RecvState.READING):
-            peer.users -= 1
-            entry = self._peers.get(peer.key)
-            if entry is not None:
-                entry.last_used = self._clock()
-            if peer.retired and peer.users == 0:
-                self._remove_agent(peer)
-
-    def _retire(self, peer: Peer) -> None:
-        peer.retired = True
-        if peer.users == 0:
-            self._remove_agent(peer)
-        else:
-            self._retired.append(peer)
-
-    def _remove_agent(self, peer: Peer) -> None:
-        if peer in self._retired:
-            self._retired.remove(peer)
-        if self._names.get(peer.name) == peer.key:
-            del self._names[peer.name]
-            self.transport.remove_peer(peer.name)
-            logger.info("PDConnector: dropped engine %s at %s:%d (agent %s)", *peer.key,
-                        peer.name)
+        if job.peer is not None and job.state in (RecvState.POSTING, RecvState.READING):
+            self.agents.release(job.peer)
 
     def _reap(self, now: float) -> None:
-        for key, entry in list(self._peers.items()):
-            if entry.waiting or entry.pending is not None or now - entry.last_used < (
-                    PEER_IDLE_TTL_S):
-                continue
-            if entry.peer is not None:
-                if entry.peer.users:
-                    continue
-                self._retire(entry.peer)
-            del self._peers[key]
+        """Idle agents go, and their cached handshakes with them."""
+        for gone in self.agents.reap(now):
+            key: PeerKey = gone.owner  # type: ignore[assignment]
+            entry = self._peers.get(key)
+            if entry is not None and entry.peer is gone:
+                entry.peer = None
+                if not entry.waiting and entry.pending is None:
+                    del self._peers[key]
 
     # ------------------------------------------------------------ state
     def take_records(self) -> list[TransferRecord]:
@@ -552,8 +504,8 @@ class PullReader:
 
     @property
     def num_peers(self) -> int:
-        """Cached handshakes plus retired agents still in use."""
-        return len(self._names)
+        """P agents loaded now (cached handshakes, and retired ones still in use)."""
+        return len(self.agents)
 
     def close(self) -> None:
         self._io.close()

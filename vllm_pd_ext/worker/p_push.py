@@ -21,22 +21,14 @@ other in-flight WRITEs, release the handle. Then:
 A handle that cannot be released keeps both P's blocks (lease held) and D's
 (no result sent) until it can.
 
-D's agents are cached by agent name, which is the NIXL remote agent's own
-identity, so each one is loaded and removed exactly once:
-
-1. First order naming an agent: the name must be one of the order's D
-   engine (``<engine_id>-tp<rank>-...``, as ``PDWorker`` names agents) and
-   its KV layout must match ours; the metadata is loaded and NIXL's name
-   for it must be the one the registration claimed. A mismatch fails that
-   order only (the error names both names) and unloads nothing cached.
-2. Later orders naming it must carry the very ``AgentInfo`` it was loaded
-   with (a restarted D has a new name): another agent claiming the name
-   fails its order and never replaces the cached one.
-3. A WRITE to it that fails to post or ends in ``ERR`` marks it failed: it
-   is removed once no WRITE to it is in flight, and the next order reloads
-   it.
-4. One unused (no WRITE posted or ending) for ``peer_idle_ttl_s`` is
-   removed (D went away), never while a WRITE to it is in flight.
+D's agents are cached by agent name in ``peers.AgentCache`` (the same cache
+D's pull reader uses for P's): checked and loaded by the first order naming
+one, then only for orders carrying the very ``AgentInfo`` it was loaded with
+(a restarted D has a new name; another agent claiming the name fails its
+order and never replaces the cached one). A WRITE to it that fails to post
+or ends in ``ERR`` retires it: it is removed once no WRITE to it is in
+flight, and the next order reloads it. One unused for ``peer_idle_ttl_s`` is
+removed (D went away), never while a WRITE to it is in flight.
 """
 
 from __future__ import annotations
@@ -56,39 +48,18 @@ from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.worker.peers import PEER_IDLE_TTL_S, AgentCache, AgentMismatch, CachedAgent
 
 logger = get_logger(__name__)
 
-#: A D agent no WRITE used for this long is removed (D went away or restarted).
-PEER_IDLE_TTL_S = 300.0
 #: How often the push thread looks for idle agents, at most.
 REAP_EVERY_S = 1.0
-
-
-class AgentMismatch(TransportError):
-    """An order's D agent is not the agent it claims to be; fails that order."""
-
-
-@dataclass
-class _Peer:
-    """A D agent loaded into P's transport, as the first order named it."""
-
-    d_engine_id: str
-    agent: proto.AgentInfo
-    last_used: float
-    num_inflight: int = 0
-    #: A WRITE to it failed: removed once none is in flight (reloaded on demand).
-    failed: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.agent.agent_name
 
 
 @dataclass
 class _Write:
     order: proto.WriteOrder
-    peer: _Peer
+    peer: CachedAgent
     handle: Any
     posted: float
     deadline: float
@@ -118,8 +89,7 @@ class Pusher:
         self.peer_idle_ttl_s = peer_idle_ttl_s
         self._on_write = on_write
         self._outbox = Outbox(notify_timeout_s, name="pd-push-result", auth=auth)
-        #: Agent name (the transport's peer name) -> the agent loaded under it.
-        self._peers: dict[str, _Peer] = {}
+        self._agents = AgentCache(transport, regions, "D", idle_ttl_s=peer_idle_ttl_s)
         self._inflight: list[_Write] = []
         self._next_reap = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -169,7 +139,7 @@ class Pusher:
                                 "the WRITE")
             return
         try:
-            peer = self._peer(order)
+            peer = self._agents.load(order.agent, order.d_engine_id, order.d_engine_id)
         except AgentMismatch as exc:
             self._finish_failed(order, str(exc))
             return
@@ -184,83 +154,27 @@ class Pusher:
             return
         # Counted before the post: if the post raises something unexpected it
         # may have started, and the agent must then never be removed.
-        peer.num_inflight += 1
+        self._agents.acquire(peer)
         try:
             # Timed from before the post: on one host UCX copies inside it.
-            posted = peer.last_used = time.monotonic()
+            posted = time.monotonic()
             handle = self.transport.post_write(peer.name, descs, order.agent.device_id,
                                                proto.push_notif(order.pd_request_id,
                                                                 order.notif_token))
         except (TransportError, ValueError) as exc:
-            peer.num_inflight -= 1
-            self._fail_peer(peer)
+            self._agents.release(peer)
+            self._agents.retire(peer)
             self._finish_failed(order, f"WRITE could not be posted: {exc}")
             return
         self._inflight.append(_Write(order, peer, handle, posted,
                                      posted + self.transfer_timeout_s,
                                      sum(n for _, _, n in descs), len(descs)))
 
-    def _peer(self, order: proto.WriteOrder) -> _Peer:
-        """The cached agent for ``order``, loaded and checked on first use."""
-        agent, d_engine = order.agent, order.d_engine_id
-        name = agent.agent_name
-        prefix = f"{d_engine}-tp{agent.tp_rank}-"
-        if not name.startswith(prefix):
-            raise AgentMismatch(f"D agent {name!r} is not engine {d_engine}'s (its rank "
-                                f"{agent.tp_rank} agent is named {prefix}...)")
-        peer = self._peers.get(name)
-        if peer is not None:
-            if peer.agent != agent or peer.d_engine_id != d_engine:
-                raise AgentMismatch(
-                    f"the order for engine {d_engine} names D agent {name!r} with other "
-                    f"metadata than the agent P loaded under that name (for engine "
-                    f"{peer.d_engine_id}); keeping the loaded one")
-            return peer
-        if len(agent.regions) != len(self.regions) or any(
-                a.block_len != b.block_len
-                for a, b in zip(agent.regions, self.regions, strict=False)):
-            raise TransportError("D's KV region layout differs from ours")
-        # A loaded agent's metadata under another name: refused without
-        # loading it again (a miss only, so the scan is rare).
-        owner = next((p.name for p in self._peers.values()
-                      if p.agent.agent_metadata == agent.agent_metadata), None)
-        loaded = owner or self.transport.add_peer(agent.agent_metadata)
-        if loaded != name:
-            if loaded not in self._peers:  # never unload an agent in use
-                self._unload(loaded)
-            raise AgentMismatch(f"the order for engine {d_engine} names D agent {name!r} but "
-                                f"its NIXL metadata is agent {loaded!r}")
-        peer = self._peers[name] = _Peer(d_engine, agent, time.monotonic())
-        logger.info("PDConnector: push peer %s of engine %s added (rank %d)", name, d_engine,
-                    self.tp_rank)
-        return peer
-
-    def _fail_peer(self, peer: _Peer) -> None:
-        peer.failed = True
-        if peer.num_inflight == 0:
-            self._remove(peer)
-
-    def _remove(self, peer: _Peer) -> None:
-        assert peer.num_inflight == 0, "an agent with a WRITE in flight is never removed"
-        if self._peers.get(peer.name) is peer:
-            del self._peers[peer.name]
-            self._unload(peer.name)
-
-    def _unload(self, name: str) -> None:
-        try:
-            self.transport.remove_peer(name)
-        except Exception:  # the contract says it never raises; stay alive if it does
-            logger.exception("PDConnector: removing push peer %s failed", name)
-
     def _reap(self, now: float) -> None:
         if now < self._next_reap:
             return
         self._next_reap = now + min(REAP_EVERY_S, self.peer_idle_ttl_s / 2)
-        for peer in list(self._peers.values()):
-            if peer.num_inflight == 0 and now - peer.last_used >= self.peer_idle_ttl_s:
-                logger.info("PDConnector: push peer %s of engine %s removed: unused for "
-                            "%.0f s", peer.name, peer.d_engine_id, now - peer.last_used)
-                self._remove(peer)
+        self._agents.reap(now)
 
     def _progress(self) -> None:
         now = time.monotonic()
@@ -281,14 +195,11 @@ class Pusher:
             if not self._release_handle(w):
                 continue
             self._inflight.remove(w)
-            w.peer.num_inflight -= 1
-            w.peer.last_used = now
+            self._agents.release(w.peer)
             if w.state is XferState.DONE:
-                if w.peer.failed and w.peer.num_inflight == 0:
-                    self._remove(w.peer)
                 self._finish_ok(w, time.monotonic())
             else:
-                self._fail_peer(w.peer)
+                self._agents.retire(w.peer)
                 self._finish_failed(w.order, "NIXL reported an error for the WRITE")
 
     def _release_handle(self, w: _Write) -> bool:
@@ -334,7 +245,7 @@ class Pusher:
     @property
     def num_peers(self) -> int:
         """D agents loaded now (read from any thread; a snapshot)."""
-        return len(self._peers)
+        return len(self._agents)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,66 @@
+"""Every patch of vLLM internals against the installed vLLM (``compat/patches.py``).
+
+A patch whose target moved fails here, by name, before it reaches
+production (where it would be skipped with an ERROR). ``apply`` logs one
+line per patch of the process; a moved target is skipped, never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from vllm_pd_ext import compat
+from vllm_pd_ext.compat import patches
+from vllm_pd_ext.config import PDConfig
+
+
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
+def test_every_patch_target_is_where_the_patch_expects_it(patch: patches.Patch) -> None:
+    assert patch.probe() is None, (
+        f"vLLM {compat.VLLM_VERSION}: the target of patch {patch.name} ({patch.target}) "
+        f"moved: {patch.probe()}; adapt compat/patches.py")
+    assert patch.versions and all(v.count(".") == 1 for v in patch.versions)
+    assert compat.VLLM_VERSION.startswith(patch.versions)
+
+
+def test_table_covers_each_process_and_names_are_unique() -> None:
+    names = [p.name for p in patches.PATCHES]
+    assert len(names) == len(set(names))
+    for process in patches.Process:
+        assert any(process in p.processes for p in patches.PATCHES), process
+
+
+def test_a_moved_target_is_skipped_loudly_never_applied(monkeypatch, caplog) -> None:
+    applied = []
+    moved = replace(patches.PATCHES[0], name="moved_one", processes=(patches.Process.WORKER,),
+                    probe=lambda: "vllm.x.Y: no 'z'", apply=lambda ctx: applied.append(1) or "")
+    monkeypatch.setattr(patches, "PATCHES", (moved,))
+    with caplog.at_level(logging.ERROR, logger="vllm.pd_ext"):
+        out = patches.apply(patches.Process.WORKER)
+    assert out == [patches.Outcome("moved_one", "moved", "vllm.x.Y: no 'z'")]
+    assert not applied
+    assert "moved_one skipped" in caplog.text and "no 'z'" in caplog.text
+
+
+def test_apply_logs_each_patch_of_the_process(caplog) -> None:
+    cfg = PDConfig(quiet_shm_spin=False)
+    with caplog.at_level(logging.DEBUG, logger="vllm.pd_ext"):
+        out = patches.apply(patches.Process.WORKER, patches.Context(cfg=cfg))
+    by_name = {o.name: o for o in out}
+    assert set(by_name) == {p.name for p in patches.PATCHES
+                            if patches.Process.WORKER in p.processes}
+    assert by_name["quiet_shm_spin"].status == "skipped"
+    assert by_name["quiet_shm_spin"].detail == "quiet_shm_spin is false"
+    assert by_name["connector_registry"].status == "checked"
+    assert "quiet_shm_spin skipped in the worker: quiet_shm_spin is false" in caplog.text
+
+
+def test_probes_name_what_moved() -> None:
+    pool = "vllm.v1.core.block_pool.BlockPool"
+    assert patches._needs(pool, "def touch")() is None
+    assert "def touch_all" in str(patches._needs(pool, "def touch_all")())
+    assert "no 'touch_all'" in str(patches._needs(f"{pool}.touch_all")())
+    assert "no field 'nope'" in str(patches._has_field("vllm.config.VllmConfig", "nope")())
