@@ -34,7 +34,7 @@ from vllm_pd_ext.policy import FailureReason, LoadReport
 from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.transport import Transport
 from vllm_pd_ext.wire import telemetry
-from vllm_pd_ext.wire.protocol import AgentInfo, Region
+from vllm_pd_ext.wire.protocol import AgentInfo, Region, TransferMode
 from vllm_pd_ext.wire.telemetry import TransferRecord
 from vllm_pd_ext.wire.wakeup import Waker
 from vllm_pd_ext.worker.d_pull import PullReader, RecvJob
@@ -98,7 +98,7 @@ class PDWorker:
                         tried >> 20)
         self.transport.register(sorted(ranges.items()), mem_type, device_id)
         kv_cfg = self.vllm_config.kv_transfer_config
-        push = self.cfg.transfer_mode == "push"
+        push = self.cfg.transfer_mode is TransferMode.PUSH
         # The transfer's target must progress for UCX wire-up (and, in push,
         # to collect notifications): P in pull mode, D in push mode.
         target = kv_cfg.is_kv_consumer if push else kv_cfg.is_kv_producer
