@@ -20,12 +20,12 @@ from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata
-from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.worker import d_pull as d_pull_worker
 from vllm_pd_ext.worker.dispatcher import PDWorker
 

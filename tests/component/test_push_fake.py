@@ -22,11 +22,11 @@ from pdunit_utils import free_port, wait_for
 
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
-from vllm_pd_ext.wire.specs import PushRecvSpec
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.wire.specs import PushRecvSpec
 from vllm_pd_ext.worker.d_push import PushReceiver
 from vllm_pd_ext.worker.p_push import Pusher
 

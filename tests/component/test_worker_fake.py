@@ -18,12 +18,12 @@ from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata
-from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.transport import XferState
 from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.side_channel import SideChannelServer
+from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.worker.dispatcher import PDWorker
 
 HOST = "127.0.0.1"

@@ -18,6 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 PURE = [
     "leases.table",
     "leases.service",
+    "leases.lender",
+    "scheduler.legs",
+    "scheduler.load_state",
+    "scheduler.p_pull",
+    "worker.peers",
+    "wire.specs",
     "scheduler.pushbook",
     "scheduler.bidir",
     "scheduler.heartbeats",

@@ -79,9 +79,10 @@ def decode_leg(raw: Any, frame_auth: auth.FrameAuth | None) -> DecodedLeg:
     try:
         params = decode_params(raw)
     except ParamsError as exc:
-        if isinstance(raw, dict) and raw.get("do_remote_prefill"):
-            return DecodedLeg(Leg.D_LOAD, problem=str(exc))
-        return DecodedLeg(Leg.MALFORMED, problem=str(exc))
+        if isinstance(raw, dict) and not raw.get("do_remote_prefill"):
+            return DecodedLeg(Leg.MALFORMED, problem=str(exc))
+        # Possibly a D leg: its load fails (vLLM's failure policy applies).
+        return DecodedLeg(Leg.D_LOAD, problem=str(exc))
     kind = kind_of(params)
     if kind is Leg.NONE or frame_auth is None:
         return DecodedLeg(kind, params)

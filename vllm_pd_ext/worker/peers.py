@@ -74,10 +74,13 @@ class AgentCache:
                                 f"rank {agent.tp_rank} agent is named {prefix}...)")
         cached = self._agents.get(name)
         if cached is not None:
-            if cached.owner != owner or cached.agent != agent:
+            if cached.agent != agent:
                 raise AgentMismatch(f"engine {engine_id} names {self.peer} agent {name!r} with "
                                     "other metadata than the agent loaded under that name (for "
                                     f"{_describe(cached.owner)}); keeping the loaded one")
+            if cached.owner != owner:
+                raise AgentMismatch(f"{_describe(owner)} names {self.peer} agent {name!r}, "
+                                    f"which belongs to {_describe(cached.owner)}")
             cached.retired = False
             return cached
         problem = layout_problem(agent, self.regions)
