@@ -10,7 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from vllm_pd_ext.testing.oracle import (
     output_of,
     stream_output,
 )
+from vllm_pd_ext.tools import sse
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 TINY_LAYERS = 4
@@ -103,10 +104,11 @@ def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[str, list[Any]]:
+def stream_text(url: str, body: dict[str, Any], timeout: float = 120,
+                headers: Mapping[str, str] | None = None) -> tuple[str, list[Any]]:
     """POST with stream=true; returns the joined text and the parsed events."""
     req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
         events = sse_events(r)
@@ -115,19 +117,14 @@ def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[s
     return text, events
 
 
-def sse_events(resp: Any) -> list[Any]:
-    """The parsed ``data:`` events of an SSE response, ``"[DONE]"`` included
-    (the last item) when the stream sent it."""
+def sse_events(resp: Iterable[bytes]) -> list[Any]:
+    """The payloads of an SSE response (``tools/sse.py``), ``"[DONE]"``
+    included (the last item) when the stream sent it; reading stops there."""
     events: list[Any] = []
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            events.append("[DONE]")
+    for event in sse.iter_events(resp):
+        events.append(event.payload)
+        if event.kind is sse.Kind.DONE:
             break
-        events.append(json.loads(data))
     return events
 
 

@@ -159,23 +159,8 @@ def _four_turns(ref: Engine, model: str, engs: dict[str, Any], seed: int) -> Non
 
 def _stream(proxy: Proxy, body: dict[str, Any], headers: dict[str, str],
             path: str = "/v1/completions") -> tuple[str, list[Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=120)
-    conn.request("POST", path, json.dumps(dict(body, stream=True)),
-                 {"Content-Type": "application/json", **headers})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    events: list[Any] = []
-    for raw in resp:
-        line = raw.decode().strip()
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-            if data == "[DONE]":
-                break
-    conn.close()
+    text, events = stream_text(proxy.url + path, body, headers=headers)
     assert all("kv_transfer_params" not in ev for ev in events if isinstance(ev, dict))
-    text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                   for ev in events if isinstance(ev, dict) for ch in ev.get("choices", []))
     return text, events
 
 

@@ -37,6 +37,9 @@ PURE = [
     "testing.soak_plan",
     "testing.netns",
     "transport.ucx_env",
+    "tools.sse",
+    "tools.launch",
+    "tools.slo.deploy",
 ]
 
 CHECK = """

@@ -1,0 +1,153 @@
+"""The client side of an OpenAI-style completion stream (``text/event-stream``).
+
+Who uses it: every client here that reads a streamed ``/v1/completions`` or
+``/v1/chat/completions`` answer: the SLO benchmark's client
+(``tools/slo/client.py``), the soak's client, the e2e tests' helpers, the
+proxy tests (``strict``) and the benchmarks. Not the proxy: its relay
+forwards events whole, with its own limits, and never decodes them.
+
+What vLLM writes, and so what this reads: one ``data: <JSON object>`` line
+per event, a blank line after each, ``data: [DONE]`` last. An in-stream
+failure is an object with an ``"error"`` key (vLLM's and the proxy's own).
+:class:`SSEParser` turns bytes split anywhere (mid-line, mid-UTF-8) into
+:class:`Event`\\s, one per ``data:`` line as soon as its line ends (a
+client timing tokens must not wait for the blank line). Other SSE fields
+and comments are skipped; anything after ``[DONE]`` is ignored.
+
+Lifecycle of one parser: ``feed()`` each piece as it arrives, in order;
+``close()`` once at the end of the body (it flushes a last line without a
+line end). ``done`` tells whether ``[DONE]`` came. :func:`iter_events` does
+both over a blocking source of byte pieces, :func:`parse` over a whole body.
+A malformed ``data:`` line raises :class:`SSEError` (a ``ValueError``).
+
+``strict=True`` is for tests of a server's framing: it also rejects any
+line that is not a ``data:`` line, two ``data:`` lines without the blank
+line between, anything after ``[DONE]``, and a body that ends inside an
+event.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+
+#: The payload of the last event, as it stands on the wire.
+DONE: Final = "[DONE]"
+
+
+class SSEError(ValueError):
+    """A stream that is not what vLLM would send (names the offending line)."""
+
+
+class Kind(enum.Enum):
+    CHUNK = "chunk"  # a JSON object: generated text, usage, telemetry
+    ERROR = "error"  # a JSON object with an "error" key: the request failed
+    DONE = "done"  # data: [DONE]: the stream is complete
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One ``data:`` line: its kind and its JSON object (``{}`` for DONE)."""
+
+    kind: Kind
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def payload(self) -> dict[str, Any] | str:
+        """The object, or ``"[DONE]"``: a list of payloads ends as the wire does."""
+        return DONE if self.kind is Kind.DONE else self.data
+
+    @property
+    def error_message(self) -> str:
+        """An ERROR event's ``error.message`` (or the error itself) as text, else ""."""
+        if self.kind is not Kind.ERROR:
+            return ""
+        error = self.data["error"]
+        return str(error.get("message", error) if isinstance(error, dict) else error)
+
+
+_DONE_EVENT: Final = Event(Kind.DONE)
+
+
+class SSEParser:
+    """Incremental parser: bytes in, :class:`Event`\\s out (see the module docstring)."""
+
+    def __init__(self, *, strict: bool = False) -> None:
+        self._buf = bytearray()
+        self._strict = strict
+        self._in_event = False  # strict: a data line still waits for its blank line
+        self.done = False
+
+    def feed(self, data: bytes) -> list[Event]:
+        """The events whose lines ``data`` completes, in order."""
+        self._buf += data
+        out: list[Event] = []
+        while (nl := self._buf.find(b"\n")) >= 0:
+            line = bytes(self._buf[:nl])
+            del self._buf[:nl + 1]
+            if (event := self._line(line)) is not None:
+                out.append(event)
+        return out
+
+    def close(self) -> list[Event]:
+        """End of the body: the event of a last line without a line end, if any."""
+        line, self._buf = bytes(self._buf), bytearray()
+        if self._strict and (line.rstrip(b"\r") or self._in_event):
+            raise SSEError(f"the stream ends inside an event: {line[:80]!r}")
+        event = self._line(line)
+        return [] if event is None else [event]
+
+    def _line(self, line: bytes) -> Event | None:
+        line = line.rstrip(b"\r")
+        if self._strict:
+            self._check_framing(line)
+        if self.done or not line.startswith(b"data:"):
+            return None
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return _DONE_EVENT
+        if not payload:
+            return None
+        try:
+            obj = msgspec.json.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise SSEError(f"malformed data line {payload[:80]!r}: {exc}") from None
+        if not isinstance(obj, dict):
+            raise SSEError(f"data line is not a JSON object: {payload[:80]!r}")
+        return Event(Kind.ERROR if "error" in obj else Kind.CHUNK, obj)
+
+    def _check_framing(self, line: bytes) -> None:
+        if not line:
+            self._in_event = False
+            return
+        if self.done:
+            raise SSEError(f"a line after [DONE]: {line[:80]!r}")
+        if not line.startswith(b"data:"):
+            raise SSEError(f"not a data line: {line[:80]!r}")
+        if self._in_event:
+            raise SSEError(f"two data lines in one event: {line[:80]!r}")
+        self._in_event = True
+
+
+def iter_events(pieces: Iterable[bytes], *, strict: bool = False) -> Iterator[Event]:
+    """Events from a blocking source of byte pieces (``http.client`` and
+    ``urllib`` responses iterate by lines; ``iter(lambda: r.read1(n), b"")``
+    gives what has arrived), each yielded as soon as its piece is read.
+
+    It reads the source to its end (a caller that has what it needs, e.g.
+    ``[DONE]``, breaks out of the loop) and flushes a last unterminated line.
+    """
+    parser = SSEParser(strict=strict)
+    for piece in pieces:
+        yield from parser.feed(piece)
+    yield from parser.close()
+
+
+def parse(body: bytes, *, strict: bool = False) -> list[Event]:
+    """Every event of a whole body."""
+    return list(iter_events([body], strict=strict))
