@@ -116,7 +116,7 @@ def stream_one(url: str, model: str, rid: str, prompt: list[int], max_tokens: in
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}"}
         done = False
-        for event in sse.iter_events(iter(lambda: resp.read1(65536), b"")):
+        for event in sse.response_events(resp):
             if event.kind is sse.Kind.DONE:
                 done = True
                 break

@@ -58,7 +58,7 @@ def stream_ttft(proxy: Proxy, body: dict[str, Any], session: str) -> tuple[float
     assert resp.status == 200, resp.read()[:300]
     ttft = None
     tokens: list[int] = []
-    for event in sse.iter_events(resp):
+    for event in sse.response_events(resp):
         if event.kind is sse.Kind.DONE:
             break
         for choice in event.data.get("choices", []):

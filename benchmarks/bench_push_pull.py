@@ -217,7 +217,7 @@ class Stack:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-            for event in sse.iter_events(iter(lambda: resp.read1(65536), b"")):
+            for event in sse.response_events(resp):
                 if event.kind is sse.Kind.DONE:
                     done = True
                     break

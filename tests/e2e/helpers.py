@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import random
 import subprocess
@@ -9,8 +11,9 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +120,35 @@ def stream_text(url: str, body: dict[str, Any], timeout: float = 120,
     return text, events
 
 
-def sse_events(resp: Iterable[bytes]) -> list[Any]:
+def sse_events(resp: sse.Readable) -> list[Any]:
     """The payloads of an SSE response (``tools/sse.py``), ``"[DONE]"``
     included (the last item) when the stream sent it; reading stops there."""
     events: list[Any] = []
-    for event in sse.iter_events(resp):
+    for event in sse.response_events(resp):
         events.append(event.payload)
         if event.kind is sse.Kind.DONE:
             break
     return events
+
+
+@contextlib.contextmanager
+def open_stream(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None,
+                timeout: float = 60) -> Iterator[dict[str, Any]]:
+    """POST ``body`` (streamed) and hold the stream open once its first event
+    came (generation under way), yielding that event; leaving the block closes
+    the connection, as a client that goes away mid-stream."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps(dict(body, stream=True)),
+                     {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        first = next(sse.response_events(resp), None)
+        assert first is not None and first.kind is sse.Kind.CHUNK, first
+        yield first.data
+    finally:
+        conn.close()
 
 
 def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:

@@ -107,6 +107,24 @@ def test_iter_events_yields_as_pieces_arrive_and_reads_to_the_end():
         Kind.CHUNK, Kind.DONE]
 
 
+def test_response_events_reads_what_has_arrived():
+    """A blocking response is read with read1 (what has arrived, up to a
+    size), so an event is out without waiting for a full buffer."""
+
+    class Response:
+        def __init__(self, pieces: list[bytes]) -> None:
+            self.pieces, self.sizes = pieces, []
+
+        def read1(self, n: int = -1, /) -> bytes:
+            self.sizes.append(n)
+            return self.pieces.pop(0) if self.pieces else b""
+
+    resp = Response([data(text_chunk("a")), b"data: [DO", b"NE]\n\n"])
+    it = sse.response_events(resp)
+    assert next(it).kind is Kind.CHUNK and resp.sizes == [65536]
+    assert [e.kind for e in it] == [Kind.DONE] and resp.sizes == [65536] * 4
+
+
 def test_strict_accepts_what_vllm_writes():
     body = data(text_chunk("a")) + data(ERROR) + b"data: [DONE]\r\n\r\n"
     assert [e.payload for e in sse.parse(body, strict=True)] == [text_chunk("a"), ERROR, DONE]

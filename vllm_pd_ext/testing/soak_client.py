@@ -81,7 +81,7 @@ def _read_stream(resp: http.client.HTTPResponse, res: Result) -> None:
     None. Reads what has arrived (``read1``), so the deadline's watchdog
     ends a silent stream here with an ``OSError``."""
     tokens: list[int] = []
-    for event in sse.iter_events(iter(lambda: resp.read1(65536), b"")):
+    for event in sse.response_events(resp):
         if event.kind is sse.Kind.DONE:
             res.done_marker = True
             res.tokens = tokens

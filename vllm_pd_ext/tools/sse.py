@@ -17,7 +17,8 @@ and comments are skipped; anything after ``[DONE]`` is ignored.
 Lifecycle of one parser: ``feed()`` each piece as it arrives, in order;
 ``close()`` once at the end of the body (it flushes a last line without a
 line end). ``done`` tells whether ``[DONE]`` came. :func:`iter_events` does
-both over a blocking source of byte pieces, :func:`parse` over a whole body.
+both over a blocking source of byte pieces, :func:`response_events` over a
+blocking HTTP response, :func:`parse` over a whole body.
 A malformed ``data:`` line raises :class:`SSEError` (a ``ValueError``).
 
 ``strict=True`` is for tests of a server's framing: it also rejects any
@@ -31,7 +32,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 
@@ -146,6 +147,19 @@ def iter_events(pieces: Iterable[bytes], *, strict: bool = False) -> Iterator[Ev
     for piece in pieces:
         yield from parser.feed(piece)
     yield from parser.close()
+
+
+class Readable(Protocol):
+    """A blocking response body: ``http.client.HTTPResponse`` (``urllib``'s too)."""
+
+    def read1(self, n: int = -1, /) -> bytes: ...
+
+
+def response_events(resp: Readable, *, strict: bool = False) -> Iterator[Event]:
+    """:func:`iter_events` over a blocking response, reading what has arrived
+    (``read1``): an event is out as soon as its bytes are, and a socket closed
+    under the reader (a deadline's watchdog) ends it with an ``OSError``."""
+    return iter_events(iter(lambda: resp.read1(65536), b""), strict=strict)
 
 
 def parse(body: bytes, *, strict: bool = False) -> list[Event]:
