@@ -122,7 +122,7 @@ def stream_one(url: str, model: str, rid: str, prompt: list[int], max_tokens: in
                 break
             if event.kind is sse.Kind.ERROR:
                 return {"error": f"stream error: {str(event.data['error'])[:200]}"}
-            ids = [i for ch in event.data.get("choices", []) for i in ch.get("token_ids") or []]
+            ids = sse.token_ids_of(event.data)
             if ids:
                 stamps.append(time.perf_counter())
                 tokens += ids

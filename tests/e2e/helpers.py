@@ -115,8 +115,7 @@ def stream_text(url: str, body: dict[str, Any], timeout: float = 120,
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
         events = sse_events(r)
-    text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                   for ev in events if isinstance(ev, dict) for ch in ev.get("choices", []))
+    text = "".join(sse.text_of(ev) for ev in events if isinstance(ev, dict))
     return text, events
 
 

@@ -143,3 +143,16 @@ def test_strict_rejects_other_framing(body: bytes, why: str):
     assert sse.parse(body)  # the tolerant client reads something from each
     with pytest.raises(SSEError, match=why):
         sse.parse(body, strict=True)
+
+
+def test_text_and_token_ids_of_completion_chat_and_odd_chunks():
+    assert sse.text_of(text_chunk("ab")) == "ab"
+    chat = {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [5, 6]},
+                        {"index": 1, "delta": {"role": "assistant"}, "token_ids": [7]}]}
+    assert (sse.text_of(chat), sse.token_ids_of(chat)) == ("x", [5, 6, 7])
+    usage = {"choices": [], "usage": {"completion_tokens": 2}}
+    for odd in (usage, {}, {"choices": None}, {"choices": ["x", {"token_ids": "no"}]}):
+        assert (sse.text_of(odd), sse.token_ids_of(odd)) == ("", [])
+    # A whole (non-streamed) answer has the same choices.
+    answer = {"choices": [{"text": "hi", "token_ids": [1, 2], "finish_reason": "length"}]}
+    assert (sse.text_of(answer), sse.token_ids_of(answer)) == ("hi", [1, 2])

@@ -60,7 +60,7 @@ def send(url: str, model: str, job: Job, max_tokens: int, deadline_s: float,
             _read_stream(resp, res)
         else:
             data = json.loads(resp.read())
-            res.tokens = [t for ch in data.get("choices", []) for t in ch.get("token_ids") or []]
+            res.tokens = sse.token_ids_of(data)
     except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as exc:
         # No status line, or a body that broke off: the client was told
         # nothing (classify: truncated, or a hang when the deadline did it).
@@ -89,7 +89,7 @@ def _read_stream(resp: http.client.HTTPResponse, res: Result) -> None:
         if event.kind is sse.Kind.ERROR:
             res.error = json.dumps(event.data["error"])[:500]
             return
-        tokens += [t for ch in event.data.get("choices", []) for t in ch.get("token_ids") or []]
+        tokens += sse.token_ids_of(event.data)
     res.tokens = None  # neither [DONE] nor an error event: truncated
 
 

@@ -20,6 +20,7 @@ line end). ``done`` tells whether ``[DONE]`` came. :func:`iter_events` does
 both over a blocking source of byte pieces, :func:`response_events` over a
 blocking HTTP response, :func:`parse` over a whole body.
 A malformed ``data:`` line raises :class:`SSEError` (a ``ValueError``).
+:func:`text_of` and :func:`token_ids_of` read what a chunk carries.
 
 ``strict=True`` is for tests of a server's framing: it also rejects any
 line that is not a ``data:`` line, two ``data:`` lines without the blank
@@ -30,7 +31,7 @@ event.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -165,3 +166,34 @@ def response_events(resp: Readable, *, strict: bool = False) -> Iterator[Event]:
 def parse(body: bytes, *, strict: bool = False) -> list[Event]:
     """Every event of a whole body."""
     return list(iter_events([body], strict=strict))
+
+
+def text_of(chunk: Mapping[str, Any]) -> str:
+    """The generated text a chunk (or a whole answer) carries: each choice's
+    completion ``text`` or chat ``delta.content``; "" for none."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return ""
+    out = []
+    for choice in choices:
+        if isinstance(choice, dict):
+            delta = choice.get("delta")
+            text = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
+                                          else None)
+            if isinstance(text, str):
+                out.append(text)
+    return "".join(out)
+
+
+def token_ids_of(chunk: Mapping[str, Any]) -> list[int]:
+    """The token ids a chunk (or a whole answer) carries, every choice's
+    ``token_ids`` (vLLM with ``return_token_ids``); [] for none."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return []
+    out: list[int] = []
+    for choice in choices:
+        ids = choice.get("token_ids") if isinstance(choice, dict) else None
+        if isinstance(ids, list):
+            out.extend(i for i in ids if isinstance(i, int))
+    return out

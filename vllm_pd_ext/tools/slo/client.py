@@ -41,34 +41,6 @@ from vllm_pd_ext.tools.slo.metrics import RequestResult
 from vllm_pd_ext.tools.slo.trace import TraceRequest
 
 
-def _text_of(choices: Any) -> str:
-    """The generated text a chunk carries (completion ``text`` or chat
-    ``delta.content``), "" for none."""
-    if not isinstance(choices, list):
-        return ""
-    out = []
-    for choice in choices:
-        if isinstance(choice, dict):
-            delta = choice.get("delta")
-            text = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
-                                          else None)
-            if isinstance(text, str):
-                out.append(text)
-    return "".join(out)
-
-
-def _token_ids_of(choices: Any) -> list[int]:
-    """Token ids a chunk carries (vLLM with ``return_token_ids``), else []."""
-    if not isinstance(choices, list):
-        return []
-    out: list[int] = []
-    for choice in choices:
-        ids = choice.get("token_ids") if isinstance(choice, dict) else None
-        if isinstance(ids, list):
-            out.extend(i for i in ids if isinstance(i, int))
-    return out
-
-
 class StreamRecorder:
     """Turns parsed chunks and their arrival times into one request's
     timings: the first chunk whose choices carry non-empty text is the first
@@ -111,9 +83,8 @@ class StreamRecorder:
                 self.completion_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
-        choices = chunk.get("choices")
-        self.token_ids.extend(_token_ids_of(choices))
-        text = _text_of(choices)
+        self.token_ids.extend(sse.token_ids_of(chunk))
+        text = sse.text_of(chunk)
         if text:
             self.text_parts.append(text)
             if self.last is None:
