@@ -44,7 +44,8 @@ def test_kinds_payloads_and_nothing_after_done():
     assert [e.kind for e in events] == [Kind.CHUNK, Kind.CHUNK, Kind.ERROR, Kind.CHUNK, Kind.DONE]
     assert events[0].data["choices"][0]["text"] == "h\u00e9llo \u2603"
     assert events[1].data["choices"][0]["text"] == "x"
-    assert events[2].error_message == "kv load failed" and events[0].error_message == ""
+    assert sse.error_message(events[2].data) == "kv load failed"
+    assert sse.error_message(events[0].data) == ""
     assert events[3].data["pd_telemetry"] == {"a": 1}
     assert [e.payload for e in events][-2:] == [events[3].data, DONE]
     assert events[4].data == {} and DONE == "[DONE]"
@@ -70,9 +71,9 @@ def test_an_event_is_out_when_its_line_ends():
 
 def test_error_message_of_a_plain_error_and_kind_of_any_error_key():
     (event,) = sse.parse(data({"error": "boom"}))
-    assert (event.kind, event.error_message) == (Kind.ERROR, "boom")
+    assert (event.kind, sse.error_message(event.data)) == (Kind.ERROR, "boom")
     (event,) = sse.parse(data({"error": {"code": 503}}))
-    assert event.error_message == "{'code': 503}"
+    assert sse.error_message(event.data) == "{'code': 503}"
 
 
 def test_unterminated_last_line_and_malformed_lines():

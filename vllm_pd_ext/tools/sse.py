@@ -20,7 +20,8 @@ line end). ``done`` tells whether ``[DONE]`` came. :func:`iter_events` does
 both over a blocking source of byte pieces, :func:`response_events` over a
 blocking HTTP response, :func:`parse` over a whole body.
 A malformed ``data:`` line raises :class:`SSEError` (a ``ValueError``).
-:func:`text_of` and :func:`token_ids_of` read what a chunk carries.
+:func:`text_of`, :func:`token_ids_of` and :func:`error_message` read what
+a chunk carries.
 
 ``strict=True`` is for tests of a server's framing: it also rejects any
 line that is not a ``data:`` line, two ``data:`` lines without the blank
@@ -63,13 +64,6 @@ class Event:
         """The object, or ``"[DONE]"``: a list of payloads ends as the wire does."""
         return DONE if self.kind is Kind.DONE else self.data
 
-    @property
-    def error_message(self) -> str:
-        """An ERROR event's ``error.message`` (or the error itself) as text, else ""."""
-        if self.kind is not Kind.ERROR:
-            return ""
-        error = self.data["error"]
-        return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 _DONE_EVENT: Final = Event(Kind.DONE)
@@ -197,3 +191,11 @@ def token_ids_of(chunk: Mapping[str, Any]) -> list[int]:
         if isinstance(ids, list):
             out.extend(i for i in ids if isinstance(i, int))
     return out
+
+
+def error_message(chunk: Mapping[str, Any]) -> str:
+    """An error event's text: ``error.message``, else the error itself; "" for none."""
+    error = chunk.get("error")
+    if error is None:
+        return ""
+    return str(error.get("message", error) if isinstance(error, dict) else error)

@@ -73,10 +73,8 @@ class StreamRecorder:
         telemetry = chunk.get("pd_telemetry")
         if isinstance(telemetry, dict):
             self.telemetry = telemetry
-        error = chunk.get("error")
-        if error and not self.error:
-            message = error.get("message", error) if isinstance(error, dict) else error
-            self.error = f"stream error: {str(message)[:200]}"
+        if chunk.get("error") and not self.error:
+            self.error = f"stream error: {sse.error_message(chunk)[:200]}"
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             if isinstance(usage.get("completion_tokens"), int):
