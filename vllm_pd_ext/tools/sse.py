@@ -131,9 +131,8 @@ class SSEParser:
 
 
 def iter_events(pieces: Iterable[bytes], *, strict: bool = False) -> Iterator[Event]:
-    """Events from a blocking source of byte pieces (``http.client`` and
-    ``urllib`` responses iterate by lines; ``iter(lambda: r.read1(n), b"")``
-    gives what has arrived), each yielded as soon as its piece is read.
+    """Events from a blocking source of byte pieces, each yielded as soon as
+    its piece is read (for an HTTP response: :func:`response_events`).
 
     It reads the source to its end (a caller that has what it needs, e.g.
     ``[DONE]``, breaks out of the loop) and flushes a last unterminated line.
