@@ -52,6 +52,7 @@ from bench_push_pull import Stack
 from benchstats import pct
 
 from vllm_pd_ext.testing.engines import REPO, Engine
+from vllm_pd_ext.tools import sse
 
 sys.path.insert(0, str(REPO))
 from tests.e2e.helpers import build_model, token_prompt
@@ -114,28 +115,17 @@ def stream_one(url: str, model: str, rid: str, prompt: list[int], max_tokens: in
         resp = conn.getresponse()
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}"}
-        buf, done = b"", False
-        while not done:
-            chunk = resp.read1(65536)
-            if not chunk:
+        done = False
+        for event in sse.response_events(resp):
+            if event.kind is sse.Kind.DONE:
+                done = True
                 break
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                data = event.strip()
-                if not data.startswith(b"data:"):
-                    continue
-                data = data[5:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                ev = json.loads(data)
-                if "error" in ev:
-                    return {"error": f"stream error: {str(ev['error'])[:200]}"}
-                ids = [i for ch in ev.get("choices", []) for i in ch.get("token_ids") or []]
-                if ids:
-                    stamps.append(time.perf_counter())
-                    tokens += ids
+            if event.kind is sse.Kind.ERROR:
+                return {"error": f"stream error: {str(event.data['error'])[:200]}"}
+            ids = sse.token_ids_of(event.data)
+            if ids:
+                stamps.append(time.perf_counter())
+                tokens += ids
         if not done:
             return {"error": "stream ended without [DONE]"}
     except (OSError, http.client.HTTPException) as exc:

@@ -33,6 +33,7 @@ from typing import Any
 import benchstats
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy, running
+from vllm_pd_ext.tools import sse
 
 sys.path.insert(0, str(REPO))
 from tests.e2e.helpers import build_model, completion_body, token_prompt
@@ -57,15 +58,10 @@ def stream_ttft(proxy: Proxy, body: dict[str, Any], session: str) -> tuple[float
     assert resp.status == 200, resp.read()[:300]
     ttft = None
     tokens: list[int] = []
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+    for event in sse.response_events(resp):
+        if event.kind is sse.Kind.DONE:
             break
-        event = json.loads(data)
-        for choice in event.get("choices", []):
+        for choice in event.data.get("choices", []):
             if choice.get("token_ids"):
                 if ttft is None:
                     ttft = time.perf_counter() - started

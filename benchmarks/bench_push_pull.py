@@ -66,6 +66,7 @@ from benchstats import median, pct
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 from vllm_pd_ext.testing.oracle import OracleError, compare, near_tie_nats, output_of
+from vllm_pd_ext.tools import sse
 
 sys.path.insert(0, str(REPO))
 from tests.e2e.helpers import build_model, token_prompt
@@ -216,31 +217,19 @@ class Stack:
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
-            buf = b""
-            while not done:
-                chunk = resp.read1(65536)
-                if not chunk:
+            for event in sse.response_events(resp):
+                if event.kind is sse.Kind.DONE:
+                    done = True
                     break
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    data = event.strip()
-                    if not data.startswith(b"data:"):
-                        continue
-                    data = data[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        break
-                    ev = json.loads(data)
-                    if "error" in ev:
-                        raise RuntimeError(f"stream error: {ev['error']}")
-                    for ch in ev.get("choices", []):
-                        if ch.get("prompt_token_ids") is not None:
-                            prompt_ids = len(ch["prompt_token_ids"])
-                        ids = ch.get("token_ids") or []
-                        if ids and first is None:
-                            first = time.perf_counter()
-                        tokens += ids
+                if event.kind is sse.Kind.ERROR:
+                    raise RuntimeError(f"stream error: {event.data['error']}")
+                for ch in event.data.get("choices", []):
+                    if ch.get("prompt_token_ids") is not None:
+                        prompt_ids = len(ch["prompt_token_ids"])
+                    ids = ch.get("token_ids") or []
+                    if ids and first is None:
+                        first = time.perf_counter()
+                    tokens += ids
         finally:
             conn.close()
         t1 = time.perf_counter()

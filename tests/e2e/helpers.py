@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import random
 import subprocess
@@ -9,8 +11,9 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from vllm_pd_ext.testing.oracle import (
     output_of,
     stream_output,
 )
+from vllm_pd_ext.tools import sse
 
 BLOCK_SIZE = 128  # vLLM's CPU default
 TINY_LAYERS = 4
@@ -103,32 +107,47 @@ def delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def stream_text(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[str, list[Any]]:
+def stream_text(url: str, body: dict[str, Any], timeout: float = 120,
+                headers: Mapping[str, str] | None = None) -> tuple[str, list[Any]]:
     """POST with stream=true; returns the joined text and the parsed events."""
     req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         assert r.status == 200
         events = sse_events(r)
-    text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                   for ev in events if isinstance(ev, dict) for ch in ev.get("choices", []))
+    text = "".join(sse.text_of(ev) for ev in events if isinstance(ev, dict))
     return text, events
 
 
-def sse_events(resp: Any) -> list[Any]:
-    """The parsed ``data:`` events of an SSE response, ``"[DONE]"`` included
-    (the last item) when the stream sent it."""
+def sse_events(resp: sse.Readable) -> list[Any]:
+    """The payloads of an SSE response (``tools/sse.py``), ``"[DONE]"``
+    included (the last item) when the stream sent it; reading stops there."""
     events: list[Any] = []
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            events.append("[DONE]")
+    for event in sse.response_events(resp):
+        events.append(event.payload)
+        if event.kind is sse.Kind.DONE:
             break
-        events.append(json.loads(data))
     return events
+
+
+@contextlib.contextmanager
+def open_stream(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None,
+                timeout: float = 60) -> Iterator[dict[str, Any]]:
+    """POST ``body`` (streamed) and hold the stream open once its first event
+    came (generation under way), yielding that event; leaving the block closes
+    the connection, as a client that goes away mid-stream."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps(dict(body, stream=True)),
+                     {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        first = next(sse.response_events(resp), None)
+        assert first is not None and first.kind is sse.Kind.CHUNK, first
+        yield first.data
+    finally:
+        conn.close()
 
 
 def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:

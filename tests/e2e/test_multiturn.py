@@ -10,8 +10,6 @@ new blocks from P (its own prefix cache holds the history).
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from tests.e2e.helpers import (
     completion_body,
     delta,
     log_dir,
+    open_stream,
     poke,
     stream_text,
     token_prompt,
@@ -159,23 +158,8 @@ def _four_turns(ref: Engine, model: str, engs: dict[str, Any], seed: int) -> Non
 
 def _stream(proxy: Proxy, body: dict[str, Any], headers: dict[str, str],
             path: str = "/v1/completions") -> tuple[str, list[Any]]:
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=120)
-    conn.request("POST", path, json.dumps(dict(body, stream=True)),
-                 {"Content-Type": "application/json", **headers})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    events: list[Any] = []
-    for raw in resp:
-        line = raw.decode().strip()
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-            if data == "[DONE]":
-                break
-    conn.close()
+    text, events = stream_text(proxy.url + path, body, headers=headers)
     assert all("kv_transfer_params" not in ev for ev in events if isinstance(ev, dict))
-    text = "".join(ch.get("text") or (ch.get("delta") or {}).get("content") or ""
-                   for ev in events if isinstance(ev, dict) for ch in ev.get("choices", []))
     return text, events
 
 
@@ -273,13 +257,8 @@ def test_abort_mid_turn_leaks_nothing(model: str, pull_engines: dict[str, Any]) 
     history = prompt + first["choices"][0]["token_ids"] + token_prompt(30, 321)
     body = completion_body(model, history, max_tokens=1500, ignore_eos=True, stream=True)
     before = p.metrics()
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json", **session})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.readline().startswith(b"data:")  # decoding on D
-    conn.close()
+    with open_stream(proxy.url + "/v1/completions", body, headers=session):
+        pass  # decoding on D; then the client goes away
     assert delta(before, p.metrics(), READBACK) > 0  # the turn did read back
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -15,6 +15,7 @@ from tests.e2e.helpers import (
     completion_body,
     delta,
     log_dir,
+    open_stream,
     stream_text,
     token_prompt,
 )
@@ -86,21 +87,14 @@ def test_prompt_longer_than_context_returns_backend_4xx(proxy: Proxy, p: Engine,
 def test_client_disconnect_aborts_the_decode_leg(d: Engine, proxy: Proxy, model: str) -> None:
     """Closing the client connection mid-stream makes D abort the request and
     free its blocks (it would otherwise generate 1500 more tokens)."""
-    import http.client
-    import json
     import time
 
     body = completion_body(model, token_prompt(200, seed=24), max_tokens=1500,
                            ignore_eos=True, stream=True)
     before = d.metrics()
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.readline().startswith(b"data:")  # generation under way on D
-    assert d.metrics()["vllm:num_requests_running"] == 1
-    conn.close()  # the client goes away
+    with open_stream(proxy.url + "/v1/completions", body):  # generation under way on D
+        assert d.metrics()["vllm:num_requests_running"] == 1
+    # The client went away.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = d.metrics()

@@ -29,6 +29,7 @@ from tests.e2e.helpers import (
     completion_body,
     delta,
     log_dir,
+    open_stream,
     poke,
     stream_text,
     token_prompt,
@@ -432,19 +433,12 @@ def test_client_disconnect_through_proxy_frees_blocks_on_both_engines(
     API server, starved on 2 cores, flushes its stream, so unlike the pull
     suite this test does not assert an early abort; the push-specific abort
     (while D waits for the KV) is ``test_d_abort_after_registering_*``."""
-    import http.client
-
     d, proxy = push["d"], push["proxy"]
     body = completion_body(model, token_prompt(200, seed=75), max_tokens=1500,
                            ignore_eos=True, stream=True)
     before = d.metrics()
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert resp.readline().startswith(b"data:")  # decoding on D, with pushed KV
-    conn.close()
+    with open_stream(proxy.url + "/v1/completions", body):
+        pass  # decoding on D, with pushed KV; then the client goes away
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = d.metrics()

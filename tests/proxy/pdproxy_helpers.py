@@ -17,6 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from vllm_pd_ext.tools.sse import parse as parse_events
+
 
 @dataclass
 class Seen:
@@ -243,15 +245,10 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 def parse_sse(raw: bytes) -> list[Any]:
-    """The data payloads of an SSE body, JSON-decoded except [DONE]."""
-    events = []
-    for block in raw.decode().split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        data = block[len("data: ") :]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+    """The payloads of the proxy's SSE body, ``"[DONE]"`` as it stands; the
+    framing is checked too (``strict``: data lines only, one per event,
+    nothing after [DONE], no cut event)."""
+    return [event.payload for event in parse_events(raw, strict=True)]
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from aiohttp import web
@@ -180,7 +179,7 @@ async def test_client_disconnect_cancels_decode_leg(engines, proxy):
     client = await proxy([p], [d])
     resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
     first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 3)
-    assert json.loads(first[len(b"data: ") :])["choices"][0]["text"] == "first"
+    assert parse_sse(first)[0]["choices"][0]["text"] == "first"
     resp.close()  # client goes away mid-stream
     await wait_for(lambda: d.cancelled.is_set())
     await wait_for(lambda: d.in_flight == 0)

@@ -5,7 +5,6 @@ spans; D's engine addresses never reach the client."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 from typing import Any
@@ -99,7 +98,7 @@ def test_annotate_leaves_other_events_unparsed_and_works_once():
     last = (b'data: {"choices":[{"text":"b","finish_reason":"stop"}],'
             b'"kv_transfer_params":{"pd_transfer":{"bytes":7},"remote_host":"h"}}\n\n')
     out = annotate(last, True, marks, "r")
-    body = json.loads(out.split(b"\n\n")[0][6:])
+    (body,) = parse_sse(out)
     assert body["pd_telemetry"] == {"request_id": "r", "proxy": {"mode": "pull",
                                                                  "decode_sent_ms": 2.0},
                                     "transfer": {"bytes": 7}}
@@ -107,7 +106,7 @@ def test_annotate_leaves_other_events_unparsed_and_works_once():
     assert annotate(last, True, marks, "r") == last  # once per request
     # Multi-turn keeps D's other params for filing (the relay takes them out next).
     kept = annotate(last, True, LegMarks(started=0.0), "r", keep_kv=True)
-    assert json.loads(kept.split(b"\n\n")[0][6:])["kv_transfer_params"] == {"remote_host": "h"}
+    assert parse_sse(kept)[0]["kv_transfer_params"] == {"remote_host": "h"}
     assert annotate(b"not json", False, LegMarks(started=0.0), "r") == b"not json"
 
 

@@ -1,7 +1,7 @@
 """slo/client.py: the open-loop benchmark client against real aiohttp fake
 engines on 127.0.0.1 (timings within tolerances that a wrong clock cannot
-meet), and its pure parts: the SSE parser fed bytes split anywhere, the
-stream recorder, least-in-flight dispatch and the progress line."""
+meet), and its pure parts: the stream recorder, least-in-flight dispatch
+and the progress line (the SSE parser it drives: tests/pure/test_sse.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
+from vllm_pd_ext.tools import sse
 from vllm_pd_ext.tools.slo.client import (
     LeastInFlight,
     Progress,
-    SSEError,
-    SSEParser,
     StreamRecorder,
     run_point,
 )
@@ -235,46 +234,6 @@ async def test_duration_excludes_warmup(engine):
 
 # --- pure parts --------------------------------------------------------------------
 
-STREAM = (b": keep-alive comment\r\n"
-          + b"event: message\n"
-          + data(text_chunk("h\u00e9llo \u2603"))
-          + b"data:" + json.dumps(text_chunk("x")).encode() + b"\r\n\r\n"
-          + data({"choices": [], "usage": {"completion_tokens": 2}, "pd_telemetry": {"a": 1}})
-          + b"data: [DONE]\n\n"
-          + b"data: {\"after\": true}\n\n")
-
-
-def _parse(pieces: list[bytes]) -> tuple[list[dict[str, Any]], bool]:
-    parser = SSEParser()
-    events = [e for piece in pieces for e in parser.feed(piece)]
-    return events + parser.close(), parser.done
-
-
-def test_sse_parser_any_split_gives_the_same_events():
-    whole, done = _parse([STREAM])
-    assert done
-    assert [e.get("choices", [{}])[0].get("text") if e["choices"] else None
-            for e in whole] == ["h\u00e9llo \u2603", "x", None]
-    assert whole[2]["pd_telemetry"] == {"a": 1}  # nothing after [DONE]
-    for cut in range(1, len(STREAM)):
-        assert _parse([STREAM[:cut], STREAM[cut:]]) == (whole, True), cut
-    assert _parse([STREAM[i:i + 1] for i in range(len(STREAM))]) == (whole, True)
-    for a, b in ((3, 40), (17, 18), (60, 61)):
-        assert _parse([STREAM[:a], STREAM[a:b], STREAM[b:]]) == (whole, True)
-
-
-def test_sse_parser_unterminated_last_line_and_errors():
-    parser = SSEParser()
-    assert parser.feed(data(text_chunk("a"))[:-2] + b"\n" + b"data: [DO") != []
-    assert not parser.done
-    assert parser.feed(b"NE]") == []
-    assert parser.close() == [] and parser.done
-    with pytest.raises(SSEError, match="malformed"):
-        SSEParser().feed(b"data: {oops}\n")
-    with pytest.raises(SSEError, match="not a JSON object"):
-        SSEParser().feed(b"data: [1, 2]\n")
-
-
 def test_stream_recorder():
     rec = StreamRecorder(start=10.0)
     rec.on_chunk({"choices": [{"text": ""}]}, 10.1)  # special token: no text, not first
@@ -288,6 +247,19 @@ def test_stream_recorder():
     assert rec.error == ""
     rec.on_chunk({"error": "boom"}, 11.2)
     assert rec.error == "stream error: boom"
+
+
+def test_stream_recorder_stamps_each_event_with_its_read():
+    """The events one network read completes all arrived then (ITL 0), and
+    [DONE] stamps the end of the request."""
+    rec, parser = StreamRecorder(start=0.0), sse.SSEParser()
+    for event in parser.feed(data(text_chunk("a")) + data(text_chunk("b"))):
+        rec.on_event(event, 1.0)
+    assert (rec.ttft_s, rec.itl_s, rec.done_at) == (1.0, [0.0], None)
+    for event in parser.feed(data(text_chunk("c")) + b"data: [DONE]\n\n"):
+        rec.on_event(event, 2.5)
+    assert rec.itl_s == [0.0, 1.5] and rec.done_at == 2.5
+    assert "".join(rec.text_parts) == "abc" and rec.error == ""
 
 
 def test_least_in_flight_ties_round_robin():

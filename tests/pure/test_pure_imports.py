@@ -43,6 +43,9 @@ PURE = [
     "testing.soak_plan",
     "testing.netns",
     "transport.ucx_env",
+    "tools.sse",
+    "tools.launch",
+    "tools.slo.deploy",
 ]
 
 CHECK = """

@@ -21,7 +21,9 @@ Needs root and ``ip netns``; ``unavailable()`` says why not, for a skip.
 Real engines with PDConnector also need UCX to accept the veths' link-local
 addresses, which it does not by itself: ``Host.env`` preloads a test-only
 shim for that (``ucx_linklocal.c``, built here with the system C compiler;
-``engines_unavailable()`` says why it cannot be).
+``engines_unavailable()`` says why it cannot be). The shim's source is in
+the source tree only, beside this module: it is not package data, so a
+wheel install of the package has no multi-host engines, and says so.
 A partition is ``Host.set_link(False)``: the root side of the veth goes down
 (the kernel has no netem here, so no delay or loss).
 """
@@ -63,9 +65,16 @@ def unavailable() -> str | None:
 def engines_unavailable() -> str | None:
     """Why real engines cannot run in namespaces here, or None when they can."""
     reason = unavailable()
+    if reason is None and not SHIM_SOURCE.is_file():
+        reason = _missing_shim()
     if reason is None and shutil.which("cc") is None:
         reason = "no C compiler ('cc') to build the UCX link-local shim (ucx_linklocal.c)"
     return reason
+
+
+def _missing_shim() -> str:
+    return (f"the UCX link-local shim's source {SHIM_SOURCE} is missing: it is test-only "
+            "and not shipped in the wheel; run multi-host engines from a source checkout")
 
 
 def linklocal_shim() -> Path:
@@ -74,6 +83,8 @@ def linklocal_shim() -> Path:
     Kept in the temp directory under a name carrying the source's hash, so
     concurrent test runs share one build and an edit rebuilds it.
     """
+    if not SHIM_SOURCE.is_file():
+        raise FileNotFoundError(_missing_shim())
     digest = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:12]
     out = Path(tempfile.gettempdir()) / f"vllm-pd-ext-ucx-linklocal-{digest}.so"
     if not out.exists():

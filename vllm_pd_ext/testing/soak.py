@@ -365,12 +365,13 @@ class Soak:
             return f"stopped {e.name} for {fault.duration_s:.1f} s"
         if k in (FaultKind.PARTITION_SHORT, FaultKind.PARTITION_LONG):
             e = c.by_name(str(fault.target))
-            assert e.host is not None
-            e.host.set_link(False)
+            host = e.host
+            assert isinstance(host, netns.Host)  # partitions are planned only with --netns
+            host.set_link(False)
             try:
                 time.sleep(fault.duration_s)
             finally:
-                e.host.set_link(True)
+                host.set_link(True)
             return f"partitioned {e.name} for {fault.duration_s:.1f} s"
         if k is FaultKind.DISCONNECT_MID:
             return client.disconnect_mid(proxy, body, tag)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_pd_ext.testing.soak_plan import Job, Result
+from vllm_pd_ext.tools import sse
 
 
 def body_of(model: str, job: Job, max_tokens: int) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def send(url: str, model: str, job: Job, max_tokens: int, deadline_s: float,
             _read_stream(resp, res)
         else:
             data = json.loads(resp.read())
-            res.tokens = [t for ch in data.get("choices", []) for t in ch.get("token_ids") or []]
+            res.tokens = sse.token_ids_of(data)
     except (OSError, http.client.HTTPException, json.JSONDecodeError, ValueError) as exc:
         # No status line, or a body that broke off: the client was told
         # nothing (classify: truncated, or a hang when the deadline did it).
@@ -75,29 +76,21 @@ def send(url: str, model: str, job: Job, max_tokens: int, deadline_s: float,
 
 
 def _read_stream(resp: http.client.HTTPResponse, res: Result) -> None:
+    """Tokens up to ``[DONE]`` (``res.tokens``), or the first error event
+    (``res.error``); a stream that ends without either leaves ``res.tokens``
+    None. Reads what has arrived (``read1``), so the deadline's watchdog
+    ends a silent stream here with an ``OSError``."""
     tokens: list[int] = []
-    buf = b""
-    while True:
-        chunk = resp.read1(65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            data = event.strip()
-            if not data.startswith(b"data:"):
-                continue
-            data = data[5:].strip()
-            if data == b"[DONE]":
-                res.done_marker = True
-                res.tokens = tokens
-                return
-            ev = json.loads(data)
-            if "error" in ev:
-                res.error = json.dumps(ev["error"])[:500]
-                return
-            tokens += [t for ch in ev.get("choices", []) for t in ch.get("token_ids") or []]
-    res.tokens = tokens if res.done_marker else None
+    for event in sse.response_events(resp):
+        if event.kind is sse.Kind.DONE:
+            res.done_marker = True
+            res.tokens = tokens
+            return
+        if event.kind is sse.Kind.ERROR:
+            res.error = json.dumps(event.data["error"])[:500]
+            return
+        tokens += sse.token_ids_of(event.data)
+    res.tokens = None  # neither [DONE] nor an error event: truncated
 
 
 def _raw_request(url: str, body: dict[str, Any], rid: str) -> socket.socket:

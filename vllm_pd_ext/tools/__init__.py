@@ -2,5 +2,5 @@
 
 ``sizing`` is ``vllm-pd-size`` (KV bytes and the handoff floor), ``slo`` is
 ``vllm-pd-bench`` (aggregated vs disaggregated at equal budget), ``launch``
-starts local engines and a proxy for them.
+starts local engines and a proxy for them, ``sse`` reads a completion stream.
 """

@@ -12,7 +12,7 @@ deployment, with the proxy's URL (disaggregated) or every replica's URL
    the generator itself lags, as dispatch delay, never as a lower rate);
 3. each task picks the URL with the fewest requests in flight (ties: round
    robin), POSTs ``/v1/completions`` with ``stream: true``, parses the SSE
-   stream as bytes arrive (:class:`SSEParser`, :class:`StreamRecorder`) and
+   stream as bytes arrive (``tools/sse.py``, :class:`StreamRecorder`) and
    returns a ``RequestResult``; every failure (HTTP status, timeout,
    connection, malformed or truncated stream) becomes that request's result;
 4. after the last task ends: the results in trace order and the measured
@@ -36,88 +36,9 @@ from typing import Any, TextIO
 import aiohttp
 import msgspec
 
+from vllm_pd_ext.tools import sse
 from vllm_pd_ext.tools.slo.metrics import RequestResult
 from vllm_pd_ext.tools.slo.trace import TraceRequest
-
-
-class SSEError(ValueError):
-    """A stream line that is not the JSON object vLLM would send."""
-
-
-class SSEParser:
-    """Incremental parser of an OpenAI-style completion stream.
-
-    :meth:`feed` takes bytes split anywhere (mid-line, mid-UTF-8) and returns
-    the JSON objects of the ``data:`` lines completed so far; ``data: [DONE]``
-    sets :attr:`done` and anything after it is ignored. One JSON payload per
-    ``data:`` line, as vLLM's server writes them; other SSE fields and
-    comments are skipped. :meth:`close` flushes a last unterminated line.
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self.done = False
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
-        out: list[dict[str, Any]] = []
-        while (nl := self._buf.find(b"\n")) >= 0:
-            line = bytes(self._buf[:nl])
-            del self._buf[:nl + 1]
-            if (event := self._line(line)) is not None:
-                out.append(event)
-        return out
-
-    def close(self) -> list[dict[str, Any]]:
-        line, self._buf = bytes(self._buf), bytearray()
-        event = self._line(line)
-        return [] if event is None else [event]
-
-    def _line(self, line: bytes) -> dict[str, Any] | None:
-        line = line.rstrip(b"\r")
-        if self.done or not line.startswith(b"data:"):
-            return None
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            self.done = True
-            return None
-        if not payload:
-            return None
-        try:
-            event = msgspec.json.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise SSEError(f"malformed data line {payload[:80]!r}: {exc}") from None
-        if not isinstance(event, dict):
-            raise SSEError(f"data line is not a JSON object: {payload[:80]!r}")
-        return event
-
-
-def _text_of(choices: Any) -> str:
-    """The generated text a chunk carries (completion ``text`` or chat
-    ``delta.content``), "" for none."""
-    if not isinstance(choices, list):
-        return ""
-    out = []
-    for choice in choices:
-        if isinstance(choice, dict):
-            delta = choice.get("delta")
-            text = choice.get("text") or (delta.get("content") if isinstance(delta, dict)
-                                          else None)
-            if isinstance(text, str):
-                out.append(text)
-    return "".join(out)
-
-
-def _token_ids_of(choices: Any) -> list[int]:
-    """Token ids a chunk carries (vLLM with ``return_token_ids``), else []."""
-    if not isinstance(choices, list):
-        return []
-    out: list[int] = []
-    for choice in choices:
-        ids = choice.get("token_ids") if isinstance(choice, dict) else None
-        if isinstance(ids, list):
-            out.extend(i for i in ids if isinstance(i, int))
-    return out
 
 
 class StreamRecorder:
@@ -125,7 +46,7 @@ class StreamRecorder:
     timings: the first chunk whose choices carry non-empty text is the first
     token, later content chunks give the ITL gaps; the usage chunk gives the
     token counts; a top-level ``pd_telemetry`` dict is kept; an ``error``
-    object ends the request as failed."""
+    object ends the request as failed; ``[DONE]`` stamps ``done_at``."""
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -139,24 +60,29 @@ class StreamRecorder:
         self.error = ""
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.done_at: float | None = None
+
+    def on_event(self, event: sse.Event, now: float) -> None:
+        """One parsed event, ``now`` being when the bytes that ended it arrived."""
+        if event.kind is sse.Kind.DONE:
+            self.done_at = now
+        else:
+            self.on_chunk(event.data, now)
 
     def on_chunk(self, chunk: dict[str, Any], now: float) -> None:
         telemetry = chunk.get("pd_telemetry")
         if isinstance(telemetry, dict):
             self.telemetry = telemetry
-        error = chunk.get("error")
-        if error and not self.error:
-            message = error.get("message", error) if isinstance(error, dict) else error
-            self.error = f"stream error: {str(message)[:200]}"
+        if chunk.get("error") and not self.error:
+            self.error = f"stream error: {sse.error_message(chunk)[:200]}"
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             if isinstance(usage.get("completion_tokens"), int):
                 self.completion_tokens = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
-        choices = chunk.get("choices")
-        self.token_ids.extend(_token_ids_of(choices))
-        text = _text_of(choices)
+        self.token_ids.extend(sse.token_ids_of(chunk))
+        text = sse.text_of(chunk)
         if text:
             self.text_parts.append(text)
             if self.last is None:
@@ -274,26 +200,26 @@ async def _send(session: aiohttp.ClientSession, url: str, body: bytes, req: Trac
                     text = (await resp.read()).decode("utf-8", "replace")
                     error = f"http {resp.status}: {text[:200]}"
                 else:
-                    parser = SSEParser()
+                    # The parser, not iter_events: every event of one read is
+                    # stamped with that read's arrival time.
+                    parser = sse.SSEParser()
                     async for data in resp.content.iter_any():
                         now = loop.time()
-                        for chunk in parser.feed(data):
-                            rec.on_chunk(chunk, now)
-                        if parser.done and end == started:
-                            end = now
-                    for chunk in parser.close():
-                        rec.on_chunk(chunk, loop.time())
-                    if parser.done and end == started:
-                        end = loop.time()
+                        for event in parser.feed(data):
+                            rec.on_event(event, now)
+                    for event in parser.close():
+                        rec.on_event(event, loop.time())
+                    if rec.done_at is not None:
+                        end = rec.done_at
                     if rec.error:
                         error = rec.error
-                    elif not parser.done:
+                    elif rec.done_at is None:
                         error = "stream ended without [DONE]"
                     elif rec.first is None:
                         error = "stream carried no content"
     except TimeoutError:
         error = "timeout"
-    except SSEError as exc:
+    except sse.SSEError as exc:
         error = f"stream: {exc}"
     except aiohttp.ClientConnectionError as exc:
         error = f"connection: {type(exc).__name__}: {exc}"[:300]

@@ -17,7 +17,7 @@ worker), the same model, ``max_model_len``, KV-cache bytes and dtype:
 Lifecycle: ``start()`` launches and waits until every engine serves (their
 startups overlap), ``stop()`` ends exactly the processes it started, by PID.
 ``engine_urls`` lets the benchmark sample the engines' queues. Everything
-binds to 127.0.0.1 with ``UCX_NET_DEVICES=lo`` (testing/engines.py).
+binds to 127.0.0.1 with ``UCX_NET_DEVICES=lo`` (tools/launch.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_pd_ext.testing.engines import Engine, Proxy
+from vllm_pd_ext.tools.launch import Engine, Proxy
 
 KINDS = ("aggregated", "disaggregated")
 
