@@ -82,7 +82,7 @@ class PDConfig:
     auth_secret_env: str | None = None
     #: Seconds a signed frame's or leg's timestamp may be off this host's clock.
     auth_window_s: float = 30.0
-    #: Multi-turn (bidir.py): D keeps a finished turn's blocks under a lease
+    #: Multi-turn (scheduler/bidir.py): D keeps a finished turn's blocks under a lease
     #: and P reads the matching prefix back on the next turn. Both engines.
     bidirectional_kv_xfer: bool = False
     #: P reads back from D only when that saves at least this many prompt
@@ -95,7 +95,7 @@ class PDConfig:
     #: D: at most this fraction of D's KV blocks is kept for next turns; the
     #: least recently kept that no P is reading go first.
     decoder_kv_blocks_budget: float = 0.25
-    #: D: put each request's transfer record (telemetry.py) in its final
+    #: D: put each request's transfer record (wire/telemetry.py) in its final
     #: answer's kv_transfer_params as ``pd_transfer``, for the proxy and
     #: benchmarks. It is always logged; off by default because it names P.
     transfer_telemetry_in_response: bool = False

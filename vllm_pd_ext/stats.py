@@ -33,7 +33,7 @@ COUNTERS = (
     "num_registration_expiries",
     "num_unauthenticated",
     "num_wrong_sender",
-    # Multi-turn (bidir.py): D keeps, P reads back.
+    # Multi-turn (scheduler/bidir.py): D keeps, P reads back.
     "num_turns_kept",
     "kept_blocks",
     "num_turns_not_kept",

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from vllm_pd_ext.scheduler import affinity
+from vllm_pd_ext.compat import affinity
 
 
 @pytest.mark.parametrize(("spec", "cores"), [

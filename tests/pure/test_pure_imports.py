@@ -27,7 +27,6 @@ PURE = [
     "scheduler.pushbook",
     "scheduler.bidir",
     "scheduler.heartbeats",
-    "scheduler.affinity",
     "transport.coalesce",
     "policy",
     "wire.protocol",

@@ -32,8 +32,8 @@ from typing import Any
 from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind
 from vllm_pd_ext.compat import engine as engine_patches
 from vllm_pd_ext.compat import serving as serving_patches
+from vllm_pd_ext.compat.affinity import bind_engine_core
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.scheduler.affinity import bind_engine_core
 
 logger = get_logger(__name__)
 

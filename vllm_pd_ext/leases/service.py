@@ -3,7 +3,7 @@
 Role: wraps the pure ``leases.LeaseTable`` with one lock and names every
 operation P performs on its leases, so the invariants (exactly-once free, a
 WRITING lease never expires, a holder keeps the lease until it released)
-stay in ``leases.py`` and nobody else touches the table. Two threads call
+stay in ``table.py`` and nobody else touches the table. Two threads call
 in, both in P's EngineCore process:
 
 - the side-channel thread (``pd-side-channel``): ``renew`` and ``release``
@@ -20,9 +20,10 @@ the sweep's, so a registration can never match a prefill whose lease the
 sweep just ended. The lock is reentrant, so operations may be called inside
 ``atomic()`` and inside the callback.
 
-Lifecycle: one instance per P scheduler (``PDScheduler.__init__``), shared
-with ``SideChannelServer`` and ``PushProducer``; it has no thread and
-nothing to close.
+Lifecycle: one instance per scheduler half (``PDScheduler.__init__``),
+whatever the engine's role (D's kept turns are leases too), shared with the
+``BlockLender`` (``leases/lender.py``), ``SideChannelServer`` and
+``PushProducer``; it has no thread and nothing to close.
 """
 
 from __future__ import annotations

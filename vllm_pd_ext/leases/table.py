@@ -2,7 +2,7 @@
 
 Pure: no vLLM, NIXL or clock of its own (``clock`` is injected), so the
 lifecycle is unit-tested with a fake clock. Not thread-safe; the owner
-(``lease_service.LeaseService``) serialises access with one lock.
+(``service.LeaseService``) serialises access with one lock.
 
 Lifecycle of one lease (keyed by P's request id, which D learns as
 ``remote_request_id``):

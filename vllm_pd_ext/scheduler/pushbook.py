@@ -2,7 +2,7 @@
 
 Pure: no vLLM, NIXL, sockets or clock of its own (``clock`` is injected), so
 every ordering is unit-tested. Not thread-safe; the owner
-(``p_push_scheduler.PushProducer``) holds one lock around every call.
+(``p_push.PushProducer``) holds one lock around every call.
 
 Everything is keyed by ``pd_request_id``, the id the proxy gives both legs:
 P's and D's internal request ids differ, and a lookup keyed by either alone

@@ -2,7 +2,8 @@
 
 Implementations: ``nixl.NixlTransport`` (one NIXL agent per worker) and
 ``fake.FakeTransport`` (in-process, for tests). Only ``PDWorker`` and the
-objects it starts (``Pusher``, ``PushReceiver``) call a transport.
+objects it starts (``PullReader``, ``Pusher``, ``PushReceiver``) and their
+``worker.peers.AgentCache`` call a transport.
 
 Contract (who calls what, on which thread, in which order):
 

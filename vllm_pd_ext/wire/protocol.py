@@ -13,7 +13,7 @@ different versions refuse each other at the handshake):
 - 4: authentication (``auth.py``): signed frames and legs; P's answer carries
   ``remote_prompt_digest``; ``PushRegister`` carries the prompt digest and
   the token P's WRITE notification must echo (``pdx:<token>/<pd_request_id>``).
-- 5: bidirectional KV (``bidir.py``): D's final answer names its kept blocks
+- 5: bidirectional KV (``scheduler/bidir.py``): D's final answer names its kept blocks
   with ``remote_block_hashes``; a P leg carrying them reads the matching
   prefix back from D (pull, D's lease); ``pd_bidirectional`` on the D leg.
 """

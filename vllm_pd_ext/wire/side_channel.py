@@ -2,7 +2,7 @@
 
 Role: serves this engine's handshake (NIXL agent metadata, KV layout,
 compatibility info), the lease protocol (renew / acquire / release, answered
-by P's ``lease_service.LeaseService``) and, in
+by the engine's ``leases.service.LeaseService``) and, in
 push mode, registrations, aborts and WRITE results to peers. One daemon
 thread, started when the workers' metadata is known
 (``set_xfer_handshake_metadata``), stopped by ``close``. Every message is

@@ -4,8 +4,8 @@ Role: the pure core of what D records for every KV handoff (issue 14 part 3:
 "transfer metrics are not correlated with individual requests" is what users
 of every peer ask about). Lifecycle of a record:
 
-1. D's worker builds one per load when it ends (``d_pull_worker`` in pull
-   mode, ``worker`` in push mode), success or failure, with the phase times
+1. D's worker builds one per load when it ends (``worker/d_pull`` in pull
+   mode, ``worker/dispatcher`` in push mode), success or failure, with the phase times
    it measured on its own monotonic clock.
 2. It travels to D's scheduler in vLLM's ``KVConnectorWorkerMetadata``
    (``metadata.PDWorkerMetadata``); with TP > 1 the ranks' records of one

@@ -7,9 +7,9 @@ Lifecycle:
    start this rank's role and publish ``PDHandshakeMetadata`` for the
    scheduler's side channel. Roles, one module each:
 
-   - D, pull: ``d_pull_worker.PullReader`` reads P's blocks;
-   - D, push: ``d_push_worker.PushReceiver`` waits for P's WRITEs;
-   - P, push: ``p_push_worker.Pusher`` posts the WRITEs its scheduler orders;
+   - D, pull: ``d_pull.PullReader`` reads P's blocks;
+   - D, push: ``d_push.PushReceiver`` waits for P's WRITEs;
+   - P, push: ``p_push.Pusher`` posts the WRITEs its scheduler orders;
    - P, pull: nothing runs here (D reads; the scheduler half pins).
 2. Every step, ``start_load_kv`` hands the scheduler's specs to the role and
    lets it advance (never blocking the step).

@@ -9,7 +9,7 @@ thread survives any exception: a bug fails at most the order it hit.
 
 Per order: load D's agent (see below), build coalesced descriptors (one per
 contiguous run, as in pull), post one WRITE carrying the notification
-``pdx:<pd_request_id>`` (NIXL delivers it after the data), poll it with the
+``pdx:<token>/<pd_request_id>`` (NIXL delivers it after the data), poll it with the
 other in-flight WRITEs, release the handle. Then:
 
 - success: release this rank's lease share on P (P frees its blocks);

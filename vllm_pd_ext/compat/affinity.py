@@ -1,5 +1,10 @@
 """Keep an engine's EngineCore process on its workers' CPU cores (CPU only).
 
+Applied through ``patches`` (row ``engine_core_affinity``): it reads vLLM
+CPU's own convention for the workers' cores (``VLLM_CPU_OMP_THREADS_BIND``:
+a core list, ``auto``, ``nobind``, or one set per rank with ``|``). The
+functions import nothing of vLLM themselves.
+
 Why: on CPU, ``VLLM_CPU_OMP_THREADS_BIND`` binds only the workers' OpenMP
 threads. The EngineCore process floats over every core, and while a worker
 runs a step it busy-waits on vLLM's shared-memory queue (``sched_yield``).
@@ -8,8 +13,8 @@ other engine's workers: in push mode D's took P's prefill core (issue 10,
 ``docs/push-mode.md#cpu-and-concurrency``). Confining it to the cores the
 operator gave the engine is what that operator asked for.
 
-When: once, as the scheduler half starts in the EngineCore process
-(``bind_engine_core`` in ``kv_connector_extra_config``, on by default), and
+When: once, as the connector's scheduler half starts in the EngineCore
+process (``bind_engine_core`` in ``kv_connector_extra_config``, on by default), and
 only when the bind is one explicit core list (not ``auto``/``nobind``, not
 one set per rank). Every thread the process has now is moved; threads
 started later inherit the mask. The API server process is not ours to move.
