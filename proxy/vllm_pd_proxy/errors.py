@@ -22,6 +22,7 @@ from aiohttp import web
 if TYPE_CHECKING:
     from .backends import Backend
 
+
 class Outcome(enum.StrEnum):
     """How a request ended; the value is the metric label and the log word."""
 
