@@ -107,7 +107,7 @@ class ConversationStore:
     def put(self, key: str, decode_url: str, params: dict[str, Any], wall_now: float) -> bool:
         """File D's answer; False (nothing filed) if it names no kept blocks,
         is already about to expire, or alone exceeds the byte budget."""
-        leg = kept_turn(params)
+        leg = decode_kept_turn(params)
         if leg is None:
             return False
         now = self._clock()
@@ -138,7 +138,7 @@ class ConversationStore:
         return turn
 
 
-def kept_turn(params: Any) -> KVTransferParams | None:
+def decode_kept_turn(params: Any) -> KVTransferParams | None:
     """D's answer as the read-back P will be sent, if it names kept blocks P
     can verify (one hash per block) and read; None otherwise.
 

@@ -7,7 +7,7 @@ from vllm_pd_proxy.conversations import (
     EXPIRY_MARGIN_S,
     ConversationStore,
     conversation_key,
-    kept_turn,
+    decode_kept_turn,
     readback_params,
 )
 
@@ -110,15 +110,15 @@ def test_filed_params_keep_only_the_readback_fields():
 def test_kept_turn_is_decoded_as_the_next_p_leg_will_be():
     """D's params go through P's own decoder (strict types): what P would
     refuse on the next turn's P leg is never filed."""
-    leg = kept_turn(dict(KEPT, remote_blocks_expiry_time=7))
+    leg = decode_kept_turn(dict(KEPT, remote_blocks_expiry_time=7))
     assert leg is not None and leg.is_readback and leg.remote_blocks_expiry_time == 7.0
     p_refuses = ({"remote_host": "a b"}, {"tp_size": 0}, {"remote_engine_id": "e" * 257},
                  {"remote_blocks_expiry_time": "soon"}, {"remote_block_ids": [[True]]})
     for bad in p_refuses:
         with pytest.raises(ParamsError):
             decode_params(readback_params(dict(KEPT, **bad), {}))
-        assert kept_turn(dict(KEPT, **bad)) is None, bad
+        assert decode_kept_turn(dict(KEPT, **bad)) is None, bad
     # Not a read-back P could use (it would prefill everything): not filed either.
     for bad in ({"remote_host": ""}, {"remote_request_id": ""}, {"remote_block_ids": [[]]},
                 {"remote_block_ids": [1]}):
-        assert kept_turn(dict(KEPT, **bad)) is None, bad
+        assert decode_kept_turn(dict(KEPT, **bad)) is None, bad
