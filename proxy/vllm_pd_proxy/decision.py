@@ -56,6 +56,10 @@ class Decision:
         return "local" if self.is_local else "remote"
 
 
+#: Conditional disaggregation off: one decision for every request (no allocation).
+ALWAYS_REMOTE = Decision(False, Reason.ALWAYS_REMOTE)
+
+
 def decide(
     num_tokens: int,
     num_cached_tokens: int,
@@ -74,7 +78,7 @@ def decide(
     ``max_prefill_queue`` (``--max-prefill-queue``, 0: off).
     """
     if not threshold:
-        return Decision(False, Reason.ALWAYS_REMOTE)
+        return ALWAYS_REMOTE
     uncached = max(0, num_tokens - num_cached_tokens)
     if has_turn:
         return Decision(False, Reason.MULTI_TURN, uncached)

@@ -43,7 +43,7 @@ from .body import BodyBudget, parse_body, read_body, reject_unsupported
 from .config import ProxyConfig
 from .context import RequestContext, sanitize_request_id
 from .conversations import Turn, conversation_key
-from .decision import Decision, decide
+from .decision import ALWAYS_REMOTE, Decision, decide
 from .errors import Outcome
 from .health import HealthMonitor
 from .legs import decode_body
@@ -185,8 +185,8 @@ class Forwarder:
         """
         config = self._config
         threshold = config.local_prefill_threshold
-        if not threshold:
-            return decide(ctx.tokens, 0, threshold=0), affine, None
+        if not threshold:  # what decide() answers then, without the call
+            return ALWAYS_REMOTE, affine, None
         decode = affine or self._up.pick_decode(ctx)
         keys = ctx.chunk_keys
         cached = 0
