@@ -10,7 +10,7 @@ blocks only for admitted requests, and overload past ``--max-queued`` or
 
 ``create_app`` builds one gate over the prefill pool; the health monitor calls
 :meth:`PrefillGate.wake` when a backend's state changes. The
-:class:`~vllm_pd_proxy.forward.Forwarder` calls :meth:`PrefillGate.acquire`
+:class:`~vllm_pd_proxy.upstream.Upstream` calls :meth:`PrefillGate.acquire`
 before every P leg (pull: each attempt, retries included; push: before the
 identity probe, so before either leg is sent) and releases the returned
 :class:`PrefillSlot` once that leg's response has ended. Requests prefilled
@@ -140,7 +140,7 @@ class PrefillGate:
             return PrefillSlot(self, backend, self.now())
         if len(self._waiters) >= self._max_queued:
             raise errors.queue_rejected(
-                "queue_full",
+                errors.Outcome.QUEUE_FULL,
                 f"{self._at_cap(len(usable))} and the queue is full "
                 f"(--max-queued {self._max_queued})",
                 self._retry_after(len(usable)),
@@ -217,7 +217,7 @@ class PrefillGate:
 
     def _timed_out(self, num_usable: int, waited: float) -> errors.ProxyError:
         return errors.queue_rejected(
-            "queue_timeout",
+            errors.Outcome.QUEUE_TIMEOUT,
             f"{self._at_cap(num_usable)}; waited {waited:.1f} s in the queue "
             f"(--queue-timeout {self._timeout:g})",
             self._retry_after(num_usable),

@@ -82,7 +82,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         keepalive_timeout=config.keepalive_timeout,
     )
     # total=None: legs are bounded by the proxy's own per-phase timeouts
-    # (asyncio.timeout in forward/relay), not by aiohttp's 5-minute default.
+    # (asyncio.timeout in upstream/relay), not by aiohttp's 5-minute default.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout)
     session = aiohttp.ClientSession(connector=connector, timeout=timeout)
     gate = app[GATE]

@@ -3,7 +3,8 @@
 Lifecycle: ``create_app`` builds a prefill and a decode :class:`Pool` from the
 config. The health loop (:mod:`vllm_pd_proxy.health`) writes ``state``,
 ``last_error`` and, in push mode, the prefill ``identity``; the request path
-(:mod:`vllm_pd_proxy.forward`) reads them to route and brackets every leg with
+(:mod:`vllm_pd_proxy.forward`, :mod:`vllm_pd_proxy.upstream`) reads them to
+route and brackets every leg with
 :meth:`Backend.acquire`/:meth:`Backend.release` so the routing policy sees
 outstanding work. Everything runs on the event loop thread, so plain ints and
 fields are enough (no locks).

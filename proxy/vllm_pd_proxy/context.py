@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import Outcome
 from .telemetry import LegMarks
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class RequestContext:
     decode: Backend | None = None
     status: int = 0
     ttft: float | None = None
-    outcome: str = "ok"
+    outcome: Outcome = Outcome.OK
     retries: int = 0
     # Seconds spent waiting for a prefill slot, over all attempts.
     queued: float = 0.0

@@ -1,7 +1,7 @@
 """Multi-turn conversations: which D kept a conversation's last turn.
 
 Pure (no I/O); one :class:`ConversationStore` per proxy, used by
-:mod:`vllm_pd_proxy.forward` on the event loop only.
+:mod:`vllm_pd_proxy.affinity` on the event loop only.
 
 After a turn, D's answer carries ``kv_transfer_params`` naming the blocks it
 kept (``vllm_pd_ext.scheduler.bidir``). The proxy takes them out of the answer (the
@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_pd_ext.wire.protocol import KVTransferParams, ParamsError, decode_params
 
 #: Seconds before D's stated expiry an entry is no longer handed out.
 EXPIRY_MARGIN_S = 5.0
@@ -43,9 +44,6 @@ EXPIRY_MARGIN_S = 5.0
 MAX_KEY_LEN = 256
 #: Bytes counted per entry besides its params (key, URL, objects).
 _ENTRY_OVERHEAD = 256
-#: Blocks per kept turn accepted from a D (vllm_pd_ext.wire.protocol.MAX_BLOCKS).
-MAX_BLOCKS = 1 << 20
-_HASH = re.compile(r"[0-9a-f]{16}")
 #: The kv_transfer_params fields P needs to read a kept turn back.
 _READBACK_FIELDS = (
     "remote_engine_id",
@@ -109,13 +107,14 @@ class ConversationStore:
     def put(self, key: str, decode_url: str, params: dict[str, Any], wall_now: float) -> bool:
         """File D's answer; False (nothing filed) if it names no kept blocks,
         is already about to expire, or alone exceeds the byte budget."""
-        if not is_kept_turn(params):
+        leg = decode_kept_turn(params)
+        if leg is None:
             return False
         now = self._clock()
         expires_at = now + self.ttl_s
-        expiry = params.get("remote_blocks_expiry_time")
-        if isinstance(expiry, int | float) and not isinstance(expiry, bool):
-            expires_at = min(expires_at, now + (float(expiry) - wall_now) - EXPIRY_MARGIN_S)
+        expiry = leg.remote_blocks_expiry_time
+        if expiry is not None:
+            expires_at = min(expires_at, now + (expiry - wall_now) - EXPIRY_MARGIN_S)
         if expires_at <= now:
             return False
         kept = {k: params[k] for k in _READBACK_FIELDS if k in params}
@@ -139,33 +138,30 @@ class ConversationStore:
         return turn
 
 
-def is_kept_turn(params: Any) -> bool:
-    """D's answer names kept blocks P can verify (hashes) and read, in the
-    types P accepts: anything else from a D is dropped here, so a broken or
-    hostile D cannot make the next turn's P leg malformed."""
+def decode_kept_turn(params: Any) -> KVTransferParams | None:
+    """D's answer as the read-back P will be sent, if it names kept blocks P
+    can verify (one hash per block) and read; None otherwise.
+
+    Decoded with P's own decoder (:func:`~vllm_pd_ext.wire.protocol.decode_params`,
+    strict: exact JSON types), only the fields the next P leg will carry:
+    anything P would refuse, or a D would not send, is dropped here, so a
+    broken or hostile D cannot make the next turn's P leg malformed.
+    """
     if not isinstance(params, dict):
-        return False
-    blocks, hashes = params.get("remote_block_ids"), params.get("remote_block_hashes")
-    port = params.get("remote_port")
-    return (
-        isinstance(blocks, list)
-        and len(blocks) == 1
-        and isinstance(blocks[0], list)
-        and 0 < len(blocks[0]) <= MAX_BLOCKS
-        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks[0])
-        and isinstance(hashes, list)
-        and len(hashes) == len(blocks[0])
-        and all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes)
-        and isinstance(params.get("remote_host"), str)
-        and 0 < len(params["remote_host"]) <= 253
-        and isinstance(port, int)
-        and not isinstance(port, bool)
-        and 0 < port < 65536
-        and isinstance(params.get("remote_request_id"), str)
-        and 0 < len(params["remote_request_id"]) <= MAX_KEY_LEN * 32
-        and isinstance(params.get("remote_engine_id"), str)
-        and isinstance(params.get("tp_size", 1), int)
-    )
+        return None
+    try:
+        leg = decode_params(readback_params(params, {}), strict=True)
+    except ParamsError:
+        return None
+    if leg is None or not leg.is_readback:
+        return None
+    # The proxy's own needs on top of P's: exactly one KV-cache group of
+    # blocks (D keeps one), each with its hash (P verifies the prefix by them).
+    blocks, hashes = leg.remote_block_ids, leg.remote_block_hashes
+    if (blocks is None or len(blocks) != 1 or not isinstance(blocks[0], list)
+            or not blocks[0] or hashes is None or len(hashes) != len(blocks[0])):
+        return None
+    return leg
 
 
 def readback_params(kept: Mapping[str, Any], leg: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,11 +5,13 @@ status for the client, an OpenAI-style JSON body (or, for a backend's own
 error answer, that backend's body verbatim), a metrics ``outcome`` label and
 whether the prefill leg may be retried elsewhere. The forwarding code raises
 them; the handler renders them as a response before the first byte, or as an
-SSE error event after it.
+SSE error event after it. :class:`Outcome` is the one list of outcomes (the
+access log's ``outcome=`` and the ``pd_proxy_requests_total`` label).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
@@ -19,6 +21,29 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from .backends import Backend
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended; the value is the metric label and the log word."""
+
+    OK = "ok"
+    BAD_REQUEST = "bad_request"
+    #: --max-total-body-bytes
+    OVERLOADED = "overloaded"
+    #: --max-queued, --queue-timeout
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    UPSTREAM_4XX = "upstream_4xx"
+    UPSTREAM_5XX = "upstream_5xx"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    PROTOCOL_ERROR = "protocol_error"
+    TIMEOUT = "timeout"
+    NO_BACKEND = "no_backend"
+    STREAM_ERROR = "stream_error"
+    #: The client went away (status 499).
+    CANCELLED = "cancelled"
+    INTERNAL_ERROR = "internal_error"
+
 
 # Backend statuses after which the prefill leg may go to another engine:
 # the engine (or something in front of it) was overloaded or unreachable.
@@ -58,7 +83,7 @@ class ProxyError(Exception):
         message: str,
         *,
         err_type: str,
-        outcome: str,
+        outcome: Outcome,
         retryable: bool = False,
         body: bytes | None = None,
         content_type: str = "application/json",
@@ -97,7 +122,7 @@ def bad_request(message: str, param: str | None = None) -> ProxyError:
         400,
         message,
         err_type=err_type,
-        outcome="bad_request",
+        outcome=Outcome.BAD_REQUEST,
         body=error_json(400, message, err_type, param),
     )
 
@@ -108,13 +133,13 @@ def overloaded(message: str) -> ProxyError:
         503,
         message,
         err_type="service_unavailable",
-        outcome="overloaded",
+        outcome=Outcome.OVERLOADED,
         headers={"Retry-After": "1"},
     )
 
 
 def queue_rejected(
-    reason: Literal["queue_full", "queue_timeout"], message: str, retry_after: int
+    reason: Literal[Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT], message: str, retry_after: int
 ) -> ProxyError:
     """Back-pressure: every usable prefill engine is at its in-flight cap and the
     request could not wait (queue full) or waited too long (queue timeout)."""
@@ -128,7 +153,7 @@ def queue_rejected(
 
 
 def no_backend(detail: str) -> ProxyError:
-    return ProxyError(503, detail, err_type="service_unavailable", outcome="no_backend")
+    return ProxyError(503, detail, err_type="service_unavailable", outcome=Outcome.NO_BACKEND)
 
 
 def upstream_status(
@@ -148,7 +173,7 @@ def upstream_status(
         status,
         message,
         err_type="upstream_error",
-        outcome="upstream_4xx" if status < 500 else "upstream_5xx",
+        outcome=Outcome.UPSTREAM_4XX if status < 500 else Outcome.UPSTREAM_5XX,
         retryable=status in RETRYABLE_STATUSES,
         body=body or error_json(status, message, "upstream_error"),
         content_type=content_type or "application/json",
@@ -171,7 +196,7 @@ def upstream_unreachable(leg: str, backend: Backend, exc: BaseException) -> Prox
         502,
         message,
         err_type="upstream_error",
-        outcome="upstream_unreachable",
+        outcome=Outcome.UPSTREAM_UNREACHABLE,
         retryable=before,
         backend=backend,
     )
@@ -182,7 +207,7 @@ def upstream_timeout(leg: str, backend: Backend, seconds: float, what: str) -> P
         504,
         f"{leg} backend {backend.url} timed out after {seconds:g} s waiting for {what}",
         err_type="timeout_error",
-        outcome="timeout",
+        outcome=Outcome.TIMEOUT,
         backend=backend,
     )
 
@@ -192,6 +217,6 @@ def protocol_error(leg: str, backend: Backend, problem: str) -> ProxyError:
         502,
         f"{leg} backend {backend.url}: {problem}",
         err_type="upstream_error",
-        outcome="protocol_error",
+        outcome=Outcome.PROTOCOL_ERROR,
         backend=backend,
     )

@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from vllm_pd_ext.wire.auth import sign_leg
+from vllm_pd_ext.wire.protocol import ParamsError, decode_params
 
 from . import errors
 from .backends import Backend, Pool, PrefillIdentity
@@ -331,7 +332,10 @@ def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
     """A push-capable prefill identity from P's ``kv_transfer_params``; ProbeError if not.
 
     The same fields come back from the identity probe and from every push P
-    leg (vllm_pd_ext's connector builds both from one dict).
+    leg (vllm_pd_ext's connector builds both from one dict). They are
+    decoded as D will decode the push D leg that carries them
+    (:func:`~vllm_pd_ext.wire.protocol.decode_params`): an identity D would
+    refuse fails here, once, naming the field, not in every D leg.
     """
     missing = [k for k in IDENTITY_KEYS if params.get(k) is None]
     if missing:
@@ -346,17 +350,23 @@ def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
             f"probe answered transfer_mode={mode!r}, not 'push': the engine must run "
             "the vllm_pd_ext connector with transfer_mode push for --transfer-mode push"
         )
+    d_leg = {k: params[k] for k in IDENTITY_KEYS}
+    d_leg.update(do_remote_prefill=True, transfer_mode=mode, pd_request_id="probe",
+                 tp_size=params.get("tp_size") or 1)
     try:
-        return PrefillIdentity(
-            engine_id=str(params["remote_engine_id"]),
-            host=str(params["remote_host"]),
-            port=int(params["remote_port"]),
-            tp_size=int(params.get("tp_size") or 1),
-            transfer_mode=mode,
-            probed_at=time.monotonic(),
-        )
-    except (TypeError, ValueError) as exc:
+        typed = decode_params(d_leg)
+    except ParamsError as exc:
         raise ProbeError(f"probe kv_transfer_params malformed: {exc}") from None
+    assert typed is not None and typed.remote_engine_id and typed.remote_host
+    assert typed.remote_port is not None  # decode_params requires all three
+    return PrefillIdentity(
+        engine_id=typed.remote_engine_id,
+        host=typed.remote_host,
+        port=typed.remote_port,
+        tp_size=typed.tp_size,
+        transfer_mode=mode,
+        probed_at=time.monotonic(),
+    )
 
 
 def _endpoint_of(params: dict[str, Any]) -> tuple[str, str, str]:

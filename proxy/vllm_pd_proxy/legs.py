@@ -10,7 +10,9 @@ NixlConnector and vllm_pd_ext's connector (same wire format):
 * push: both legs are sent at once; D learns P's identity from the proxy's
   probe cache and P pushes the KV to D, matched by ``pd_request_id``.
 
-No I/O and no state: :mod:`vllm_pd_proxy.forward` calls these once per request.
+No I/O and no state: the flows (:mod:`vllm_pd_proxy.pull`,
+:mod:`vllm_pd_proxy.push`, the local one in :mod:`vllm_pd_proxy.forward`)
+call these once per request.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ mid-stream the proxy can end the stream with a well-formed error event
 a truncated line. The held-back part is capped (``--max-sse-event-bytes``): a
 backend that never ends its event fails the request (502 before the first
 byte, an error event after it) instead of growing the proxy's memory without
-bound. Called once per request by :mod:`vllm_pd_proxy.forward`,
+bound. Called once per request by :mod:`vllm_pd_proxy.upstream`,
 which owns the upstream response and closes it (aborting the engine request)
 whatever happens.
 """
@@ -252,5 +252,5 @@ async def relay_stream(
     except ConnectionResetError:
         # The client went away while we were writing; the caller closes the
         # upstream response, which aborts the request on the engine.
-        ctx.status, ctx.outcome = 499, "cancelled"
+        ctx.status, ctx.outcome = 499, errors.Outcome.CANCELLED
     return out, error

@@ -17,7 +17,8 @@ before). ``--otel`` exports the same as OpenTelemetry spans
 (:class:`SpanExporter`); without that flag nothing imports OpenTelemetry.
 
 Lifecycle: one :class:`LegMarks` per request (``RequestContext.marks``),
-written by :mod:`vllm_pd_proxy.forward` on the event loop; :func:`annotate`
+written by the request path (:mod:`vllm_pd_proxy.forward`,
+:mod:`vllm_pd_proxy.upstream`) on the event loop; :func:`annotate`
 runs on each relayed piece until the finishing one; the exporter, if any,
 is called once per request when it ends.
 """

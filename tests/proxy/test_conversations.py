@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 from vllm_pd_proxy.conversations import (
     EXPIRY_MARGIN_S,
     ConversationStore,
     conversation_key,
+    decode_kept_turn,
     readback_params,
 )
+
+from vllm_pd_ext.wire.protocol import ParamsError, decode_params
 
 KEPT = {"remote_block_ids": [[1]], "remote_block_hashes": ["a" * 16], "remote_host": "h",
         "remote_port": 1, "remote_request_id": "r", "remote_engine_id": "e", "tp_size": 1}
@@ -101,3 +105,20 @@ def test_filed_params_keep_only_the_readback_fields():
     assert turn is not None and "secret_field" not in turn.params
     assert turn.params["remote_block_hashes"] == KEPT["remote_block_hashes"]
     assert store.num_bytes == 0
+
+
+def test_kept_turn_is_decoded_as_the_next_p_leg_will_be():
+    """D's params go through P's own decoder (strict types): what P would
+    refuse on the next turn's P leg is never filed."""
+    leg = decode_kept_turn(dict(KEPT, remote_blocks_expiry_time=7))
+    assert leg is not None and leg.is_readback and leg.remote_blocks_expiry_time == 7.0
+    p_refuses = ({"remote_host": "a b"}, {"tp_size": 0}, {"remote_engine_id": "e" * 257},
+                 {"remote_blocks_expiry_time": "soon"}, {"remote_block_ids": [[True]]})
+    for bad in p_refuses:
+        with pytest.raises(ParamsError):
+            decode_params(readback_params(dict(KEPT, **bad), {}))
+        assert decode_kept_turn(dict(KEPT, **bad)) is None, bad
+    # Not a read-back P could use (it would prefill everything): not filed either.
+    for bad in ({"remote_host": ""}, {"remote_request_id": ""}, {"remote_block_ids": [[]]},
+                {"remote_block_ids": [1]}):
+        assert decode_kept_turn(dict(KEPT, **bad)) is None, bad

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 from pdproxy_helpers import wait_for
+from vllm_pd_proxy.health import ProbeError, identity_from_params
 
 
 async def test_health_reports_each_backend(engines, proxy):
@@ -74,3 +76,22 @@ async def test_metrics_exposition(engines, proxy):
     for name in ("prefill_leg", "decode_leg", "ttft"):
         assert f"pd_proxy_{name}_seconds_count 1.0" in text
     assert "pd_proxy_e2e_seconds_count 2.0" in text  # the 400 counts too
+
+
+def test_identity_is_decoded_as_the_push_d_leg_will_be():
+    """P's identity goes through D's decoder (of the push D leg that will
+    carry it): one D would refuse fails the probe, naming the field. As
+    before, a port as a string and a missing tp_size are accepted."""
+    good = {"remote_engine_id": "e", "remote_host": "10.0.0.1", "remote_port": "5600",
+            "tp_size": None, "transfer_mode": "push", "remote_block_ids": [[1]]}
+    identity = identity_from_params(good)
+    assert (identity.engine_id, identity.host, identity.port, identity.tp_size) == (
+        "e", "10.0.0.1", 5600, 1)
+    with pytest.raises(ProbeError, match=r"lack \['remote_host'\]"):
+        identity_from_params(dict(good, remote_host=None))
+    with pytest.raises(ProbeError, match="not 'push'"):
+        identity_from_params(dict(good, transfer_mode="pull"))
+    for field, value in (("remote_port", 0), ("remote_port", "x"), ("remote_host", "a b"),
+                         ("tp_size", 4096), ("remote_engine_id", 7)):
+        with pytest.raises(ProbeError, match=f"malformed: .*{field}"):
+            identity_from_params(dict(good, **{field: value}))

@@ -1,16 +1,19 @@
 """Pure pieces: config validation, token estimates, prefix chunk memory, SSE splitting, legs,
-body budget, request-id sanitizing."""
+body budget, request-id sanitizing, the outcome labels."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+from pathlib import Path
 
 import pytest
 from vllm_pd_proxy.backends import PrefillIdentity
 from vllm_pd_proxy.body import BodyBudget
 from vllm_pd_proxy.config import ConfigError, ProxyConfig, normalize_url
 from vllm_pd_proxy.context import log_safe, sanitize_request_id
-from vllm_pd_proxy.errors import ProxyError
+from vllm_pd_proxy.errors import Outcome, ProxyError
 from vllm_pd_proxy.legs import decode_body, prefill_body, push_decode_params
 from vllm_pd_proxy.prompt import PrefixChunks, chunk_keys, estimate_tokens, inspect_prompt
 from vllm_pd_proxy.relay import OversizedEvent, read_events, split_events
@@ -188,3 +191,15 @@ async def test_read_events_caps_the_partial_event():
     with pytest.raises(OversizedEvent, match="limit --max-sse-event-bytes 1024"):
         await read_events(resp, b"", 1024)
     assert len(resp._chunks) == 7  # stopped at the first read past the cap
+
+
+def test_outcomes_are_the_documented_labels():
+    """``Outcome`` holds exactly the access log's and the metric's outcome
+    words that docs/proxy.md lists, and renders as the bare word."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "proxy.md").read_text()
+    listed = docs.split("`outcome` is ", 1)[1].split(". A failed request", 1)[0]
+    words = [w for w in re.findall(r"`([a-z_0-9]+)`", listed) if not w.startswith("max_")]
+    assert sorted(words) == sorted(o.value for o in Outcome)
+    assert f"{Outcome.UPSTREAM_5XX}" == "upstream_5xx" == str(Outcome.UPSTREAM_5XX)
+    record = logging.LogRecord("t", logging.INFO, "", 0, "outcome=%s", (Outcome.CANCELLED,), None)
+    assert record.getMessage() == "outcome=cancelled" and json.dumps(Outcome.OK) == '"ok"'

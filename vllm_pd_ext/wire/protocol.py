@@ -222,18 +222,20 @@ _PUSH_REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "pd_request_
 _DEFAULT_PARAMS: Final = KVTransferParams()
 
 
-def decode_params(raw: Any) -> KVTransferParams | None:
+def decode_params(raw: Any, *, strict: bool = False) -> KVTransferParams | None:
     """Decode a request's ``kv_transfer_params`` dict; ``None`` if absent.
 
     Raises ``ParamsError`` naming the field when the dict is malformed or
-    misses a key that its flags require.
+    misses a key that its flags require. ``strict``: no coercion (``"80"``
+    is not a port), for params an engine built itself, as the proxy checks
+    what one engine hands it for another.
     """
     if raw is None:
         return None
     if not isinstance(raw, dict):
         raise ParamsError(f"kv_transfer_params must be an object, got {type(raw).__name__}")
     try:
-        params = msgspec.convert(raw, KVTransferParams, strict=False)
+        params = msgspec.convert(raw, KVTransferParams, strict=strict)
     except msgspec.ValidationError as exc:
         raise ParamsError(f"kv_transfer_params: {exc}".replace("`$.", "`")) from exc
     if params.transfer_mode not in (None, *TRANSFER_MODES):

@@ -1,0 +1,123 @@
+"""The pull flow (``--transfer-mode pull``): P prefills, then D reads the KV.
+
+Called by the :class:`~vllm_pd_proxy.forward.Forwarder` once per request it
+sends to P in pull mode; stateless between requests. Per request:
+
+1. 503 at once if no decode engine is routable: D is picked after P (its
+   load changes meanwhile), but a prefill whose KV no D can take would be
+   wasted work;
+2. the P leg (a one-token, non-streaming copy of the request, with a
+   conversation's kept turn to read back if there is one) under a prefill
+   slot of the gate; retried on another P, through the gate again, for
+   502/503/504 or a connection that failed before the request left
+   (``--prefill-retries``); a P leg that failed with a read-back in it is
+   sent once more without;
+3. P's answer must carry ``kv_transfer_params``: they go to D verbatim (D
+   decodes and checks them), plus ``pd_bidirectional`` with ``--multi-turn``;
+4. the D leg, re-dispatched to another D if the first refused it unrun
+   (draining) or was never reached: any D can take P's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from . import errors
+from .affinity import Affinity
+from .backends import Backend
+from .context import RequestContext, log_safe
+from .conversations import Turn
+from .legs import decode_body, prefill_body, pull_prefill_params
+from .upstream import Upstream
+
+# The logger of the request path (docs/proxy.md names it; log lines unchanged).
+logger = logging.getLogger("vllm_pd_proxy.forward")
+
+_encode = msgspec.json.encode
+
+
+async def run_pull(
+    up: Upstream,
+    affinity: Affinity,
+    request: web.Request,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    decode: Backend | None,
+    prefix: tuple[int, ...] | None,
+    turn: Turn | None = None,
+) -> web.StreamResponse:
+    """Serve one request in pull mode: P leg, then D leg with P's params."""
+    if decode is None and not up.decode.any_routable():
+        # D is picked after P (its load changes meanwhile), but a prefill
+        # whose KV no decode engine can take would be wasted work.
+        raise errors.no_backend(up.decode.describe_unavailable())
+    leg = affinity.with_readback(pull_prefill_params(), turn)
+    p_body = _encode(prefill_body(body, up.sign(leg, ctx, body)))
+    try:
+        answer = await _prefill_with_retry(up, ctx, p_body, headers)
+    except errors.ProxyError as exc:
+        if not affinity.readback_failed(ctx, exc, turn):
+            raise
+        p_body = _encode(prefill_body(body, up.sign(pull_prefill_params(), ctx, body)))
+        answer = await _prefill_with_retry(up, ctx, p_body, headers)
+    # Not decoded here: D gets P's params verbatim and decodes them itself
+    # (a malformed field is D's 400, naming it); the proxy only needs some.
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params:
+        assert ctx.prefill is not None
+        raise errors.protocol_error(
+            "prefill",
+            ctx.prefill,
+            "answer has no kv_transfer_params, so the decode leg cannot fetch the KV "
+            "cache; is the engine running a KV connector with kv_role kv_producer or "
+            "kv_both?",
+        )
+    if ctx.capture_kv:
+        params = dict(params, pd_bidirectional=True)
+    d_body = _encode(decode_body(body, up.sign(params, ctx, body)))
+    tried: list[Backend] = []
+    while True:
+        try:
+            return await up.decode_leg(request, ctx, decode, d_body, headers, prefix,
+                                       exclude=tried)
+        except errors.ProxyError as exc:
+            # Any D can take P's lease, and a D that refused the leg unrun
+            # (draining) or was never reached holds nothing of it.
+            if not up.redispatch(ctx, exc, "decode", tried):
+                raise
+            decode = None
+
+
+async def _prefill_with_retry(
+    up: Upstream, ctx: RequestContext, body: bytes, headers: dict[str, str]
+) -> dict[str, Any]:
+    """Pull-mode P leg; nothing has reached D or the client, so retry is safe."""
+    tried: list[Backend] = []
+    last: errors.ProxyError | None = None
+    while True:
+        slot = await up.admit(ctx, tried, last)
+        prefill = slot.backend
+        if last is not None:
+            ctx.retries += 1
+            up.metrics.retries.labels("prefill").inc()
+            logger.info(
+                "request %s: retrying prefill on %s after: %s",
+                ctx.request_id,
+                prefill.url,
+                log_safe(last.message),
+            )
+        ctx.prefill = prefill
+        try:
+            return await up.prefill_leg(ctx, prefill, body, headers)
+        except errors.ProxyError as exc:
+            if not exc.retryable or len(tried) >= up.config.prefill_retries:
+                raise
+            tried.append(prefill)
+            last = exc
+        finally:
+            slot.release()  # before a retry queues for another engine

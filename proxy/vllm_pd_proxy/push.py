@@ -1,0 +1,211 @@
+"""The push flow (``--transfer-mode push``): P and D legs at once, P writes the KV.
+
+Called by the :class:`~vllm_pd_proxy.forward.Forwarder` once per request it
+sends to P in push mode; stateless between requests. Per request:
+
+1. 503 at once if no decode engine is routable (not worth a place in the
+   prefill queue);
+2. a prefill slot from the gate on a P whose identity is known (probed if
+   need be; another P if the probe fails, ``--prefill-retries``); nothing
+   has gone to D yet, so D holds blocks only for admitted requests;
+3. both legs go out under a fresh ``pd_request_id``: P's (with a
+   conversation's kept turn to read back) and D's (P's identity, so D
+   registers its blocks with that P); D's leg is guarded by P's, so D is
+   cancelled if P fails (or answers from another engine than D was told,
+   :meth:`~vllm_pd_proxy.health.HealthMonitor.check_answer_identity`)
+   before D's first byte;
+4. a failure before D's first byte: the pair again without the read-back
+   if the read-back failed on P, or on other engines if one refused its leg
+   unrun (draining, never reached); otherwise the error is the answer;
+5. whatever happens, P's leg is cancelled if still running (its connection
+   closes, so P aborts the request) and awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from . import errors
+from .admission import PrefillSlot
+from .affinity import Affinity
+from .backends import Backend, PrefillIdentity
+from .context import RequestContext, log_safe
+from .conversations import Turn
+from .errors import Outcome
+from .health import ProbeError
+from .legs import decode_body, prefill_body, push_decode_params, push_prefill_params
+from .upstream import Upstream
+
+# The logger of the request path (docs/proxy.md names it; log lines unchanged).
+logger = logging.getLogger("vllm_pd_proxy.forward")
+
+_encode = msgspec.json.encode
+
+# D-leg outcomes that a stale push identity can cause (P refused D's registration).
+_D_FAILURES = frozenset({Outcome.UPSTREAM_5XX, Outcome.UPSTREAM_UNREACHABLE, Outcome.TIMEOUT})
+
+
+async def run_push(
+    up: Upstream,
+    affinity: Affinity,
+    request: web.Request,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    decode: Backend | None,
+    prefix: tuple[int, ...] | None,
+    turn: Turn | None = None,
+) -> web.StreamResponse:
+    """Serve one request in push mode (see the module docstring)."""
+    if decode is None and not up.decode.any_routable():
+        # Not worth a place in the prefill queue: no D could take the KV.
+        raise errors.no_backend(up.decode.describe_unavailable())
+    tried_p: list[Backend] = []
+    tried_d: list[Backend] = []
+    while True:
+        # Admitted (a P slot held) before either leg goes out: a queued
+        # request has nothing on D yet, so D holds blocks only for admitted ones.
+        slot, identity = await _pick_prefill(up, ctx, tried_p)
+        try:
+            return await _run_legs(
+                up, affinity, request, ctx, body, headers, decode, prefix, slot, identity,
+                tried_d, turn
+            )
+        except errors.ProxyError as exc:
+            if affinity.readback_failed(ctx, exc, turn):
+                turn = None  # both legs again, P prefills everything
+                continue
+            # One engine refused its leg unrun (draining, or never reached)
+            # before D's first byte: both legs were cancelled, so send the
+            # pair again, under a new pd_request_id, avoiding that engine.
+            role = exc.backend.role if exc.backend is not None else ""
+            if not up.redispatch(ctx, exc, role, tried_p if role == "prefill" else tried_d):
+                raise
+            if exc.backend is decode:
+                decode = None
+        finally:
+            slot.release()  # usually done already, when P's answer ended
+
+
+async def _run_legs(
+    up: Upstream,
+    affinity: Affinity,
+    request: web.Request,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    decode: Backend | None,
+    prefix: tuple[int, ...] | None,
+    slot: PrefillSlot,
+    identity: PrefillIdentity,
+    tried_d: list[Backend],
+    turn: Turn | None = None,
+) -> web.StreamResponse:
+    """One dispatch of the pair: P's leg in the background, D's relayed."""
+    prefill = slot.backend
+    decode = decode or up.pick_decode(ctx, tried_d)
+    rid = ctx.request_id
+    # The key both engines file the push under: unique per dispatch even
+    # when clients reuse an X-Request-Id (a duplicate key is refused).
+    pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+    p_leg = affinity.with_readback(push_prefill_params(pd_id), turn)
+    p_body = _encode(prefill_body(body, up.sign(p_leg, ctx, body)))
+    d_leg = push_decode_params(identity, pd_id)
+    if ctx.capture_kv:
+        d_leg["pd_bidirectional"] = True
+    d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body)))
+    # Both legs go out now: P pushes the KV while D is already waiting for it.
+    p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
+    answered = False
+    try:
+        out = await up.decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+        answered = True
+        return out
+    except errors.ProxyError as exc:
+        d_failed = exc.backend is decode and exc.outcome in _D_FAILURES
+        if d_failed and not p_task.done():
+            # D failed while P was still prefilling. A P restarted at the
+            # same URL refuses D's registration (stale engine id) at once,
+            # so this is how a restart often shows first; P's answer, which
+            # would name its new identity, is about to be cancelled.
+            up.monitor.check_soon(prefill, reprobe=True)
+        raise
+    finally:
+        if not p_task.done():
+            p_task.cancel()  # closes P's connection: the engine aborts
+        results: list[Any] = await asyncio.gather(p_task, return_exceptions=True)
+        if (answered and isinstance(results[0], errors.ProxyError)
+                and ctx.outcome == Outcome.OK):
+            logger.warning(
+                "request %s: prefill leg failed after decode answered: %s",
+                rid,
+                log_safe(results[0].message),
+            )
+
+
+async def _prefill_leg(
+    up: Upstream,
+    ctx: RequestContext,
+    slot: PrefillSlot,
+    identity: PrefillIdentity,
+    body: bytes,
+    headers: dict[str, str],
+) -> dict[str, Any]:
+    """A push P leg whose answer must come from the engine D was told about.
+
+    A mismatch means P restarted since it was probed: D was sent the old
+    identity and cannot receive this KV, so it is a P-leg failure (D is
+    cancelled if it has not answered yet). Not retried: D already had its
+    leg, P already ran the prefill, and the refreshed identity serves the
+    client's next attempt.
+    """
+    prefill = slot.backend
+    try:
+        answer = await up.prefill_leg(ctx, prefill, body, headers)
+    finally:
+        slot.release()  # P's response has ended; D may still be streaming
+    params = answer.get("kv_transfer_params")
+    changed = up.monitor.check_answer_identity(prefill, identity, params)
+    if changed is not None:
+        raise errors.protocol_error(
+            "prefill",
+            prefill,
+            f"engine identity changed since it was probed: {changed}; the KV cannot "
+            "reach the decode engine, request not retried (the identity is refreshed, "
+            "a new request uses it)",
+        )
+    return answer
+
+
+async def _pick_prefill(
+    up: Upstream, ctx: RequestContext, tried: list[Backend]
+) -> tuple[PrefillSlot, PrefillIdentity]:
+    """A slot on a prefill engine whose identity is known; nothing is sent to D yet.
+
+    ``tried``: engines this request already left (appended to here).
+    """
+    last: errors.ProxyError | None = None
+    while True:
+        slot = await up.admit(ctx, tried, last)
+        prefill = slot.backend
+        if last is not None:
+            ctx.retries += 1
+            up.metrics.retries.labels("prefill").inc()
+        ctx.prefill = prefill
+        try:
+            return slot, await up.monitor.ensure_identity(prefill)
+        except ProbeError as exc:
+            slot.release()
+            last = errors.protocol_error("prefill", prefill, f"identity probe failed: {exc}")
+            if len(tried) >= up.config.prefill_retries:
+                raise last from None
+            tried.append(prefill)
+        except BaseException:
+            slot.release()
+            raise
