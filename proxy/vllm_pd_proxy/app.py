@@ -26,7 +26,7 @@ from aiohttp import web
 from . import errors
 from .admission import PrefillGate
 from .backends import Pool
-from .config import ProxyConfig
+from .config import ProxyConfig, TransferMode
 from .forward import Forwarder
 from .health import HealthMonitor
 from .metrics import CONTENT_TYPE, Metrics
@@ -145,7 +145,7 @@ async def _health(request: web.Request) -> web.Response:
     app = request.app
     await app[MONITOR].refresh()
     prefill, decode = app[PREFILL], app[DECODE]
-    push = app[CONFIG].transfer_mode == "push"
+    push = app[CONFIG].transfer_mode == TransferMode.PUSH
     # In push mode a prefill engine is only usable once its identity is known.
     usable_p = sum(1 for b in prefill.backends if b.state == "healthy" and (not push or b.identity))
     usable_d = decode.healthy_count()

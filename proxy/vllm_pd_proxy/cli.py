@@ -21,7 +21,7 @@ from aiohttp import web
 from vllm_pd_ext.wire.auth import DEFAULT_SECRET_ENV, Keyring, SecretError
 
 from . import __version__
-from .config import TRANSFER_MODES, ConfigError, ProxyConfig
+from .config import TRANSFER_MODES, ConfigError, ProxyConfig, TransferMode
 from .routing import POLICIES
 
 logger = logging.getLogger("vllm_pd_proxy")
@@ -325,7 +325,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode=tuple(args.decode),
         host=args.host,
         port=args.port,
-        transfer_mode=args.transfer_mode,
+        transfer_mode=TransferMode(args.transfer_mode),
         routing=args.routing,
         local_prefill_threshold=args.local_prefill_threshold,
         prefix_aware_len=args.prefix_aware_len,

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
 from urllib.parse import urlsplit
 
 from vllm_pd_ext.wire.auth import Keyring
+from vllm_pd_ext.wire.protocol import TRANSFER_MODES, TransferMode
 
-TransferMode = Literal["pull", "push"]
-TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
+__all__ = ["TRANSFER_MODES", "ConfigError", "ProxyConfig", "TransferMode", "normalize_url"]
 
 
 class ConfigError(ValueError):
@@ -56,7 +55,7 @@ class ProxyConfig:
     decode: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
-    transfer_mode: TransferMode = "pull"
+    transfer_mode: TransferMode = TransferMode.PULL
     routing: str = "least-loaded"
     # Conditional disaggregation: requests whose *uncached* prompt tokens (the
     # prompt minus what the chosen decode engine probably caches) are below
@@ -181,4 +180,5 @@ class ProxyConfig:
             raise ConfigError("--max-sse-event-bytes must be >= 1024")
         # An empty key (e.g. an empty environment variable) means no key.
         api_key = self.backend_api_key or None
-        return dataclasses.replace(self, prefill=prefill, decode=decode, backend_api_key=api_key)
+        return dataclasses.replace(self, prefill=prefill, decode=decode, backend_api_key=api_key,
+                                   transfer_mode=TransferMode(self.transfer_mode))

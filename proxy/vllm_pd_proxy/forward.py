@@ -40,7 +40,7 @@ from .admission import PrefillGate
 from .affinity import Affinity
 from .backends import Backend, Pool
 from .body import BodyBudget, parse_body, read_body, reject_unsupported
-from .config import ProxyConfig
+from .config import ProxyConfig, TransferMode
 from .context import RequestContext, sanitize_request_id
 from .conversations import Turn, conversation_key
 from .decision import ALWAYS_REMOTE, Decision, decide
@@ -77,7 +77,7 @@ class Forwarder:
         self._telemetry = config.transfer_telemetry or config.otel
         self._spans = SpanExporter() if config.otel else None
         self._metrics = metrics
-        self._push = config.transfer_mode == "push"
+        self._push = config.transfer_mode == TransferMode.PUSH
         self._bodies = BodyBudget(config.max_total_body_bytes)
         self._up = Upstream(config, prefill, decode, session, monitor, metrics, gate)
         self._affinity = Affinity(config, decode, metrics)

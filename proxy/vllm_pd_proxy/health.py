@@ -37,7 +37,7 @@ from vllm_pd_ext.wire.protocol import ParamsError, decode_params
 
 from . import errors
 from .backends import Backend, Pool, PrefillIdentity
-from .config import ProxyConfig
+from .config import ProxyConfig, TransferMode
 from .metrics import Metrics
 
 logger = logging.getLogger("vllm_pd_proxy.health")
@@ -68,7 +68,7 @@ class HealthMonitor:
         self._pools = list(pools)
         self._session = session
         self._metrics = metrics
-        self._push = config.transfer_mode == "push"
+        self._push = config.transfer_mode == TransferMode.PUSH
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_checks: set[Backend] = set()
         self._probing: dict[Backend, asyncio.Task[PrefillIdentity]] = {}
@@ -341,7 +341,7 @@ def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
     if missing:
         raise ProbeError(f"probe kv_transfer_params lack {missing}")
     mode = params.get("transfer_mode")
-    if mode != "push":
+    if mode != TransferMode.PUSH:
         # vLLM's in-tree NixlConnector answers the probe like a normal
         # request (no transfer_mode) and a pull-configured vllm_pd_ext
         # engine says "pull": neither accepts push legs, so refuse the

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_pd_ext.wire.protocol import TransferMode
+
 from .backends import PrefillIdentity
 
 # Sampling fields P must not see: it only prefills and emits one token.
@@ -63,7 +65,7 @@ def push_prefill_params(request_id: str) -> dict[str, Any]:
     return {
         "do_remote_decode": True,
         "do_remote_prefill": False,
-        "transfer_mode": "push",
+        "transfer_mode": TransferMode.PUSH.value,
         "pd_request_id": request_id,
     }
 
@@ -79,5 +81,5 @@ def push_decode_params(identity: PrefillIdentity, request_id: str) -> dict[str, 
         "tp_size": identity.tp_size,
         "remote_request_id": request_id,
         "pd_request_id": request_id,
-        "transfer_mode": "push",
+        "transfer_mode": TransferMode.PUSH.value,
     }

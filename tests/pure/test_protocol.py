@@ -331,3 +331,18 @@ def test_push_state_values_are_the_wire_contract():
     assert [s.value for s in proto.PushAbortState] == [
         "aborted", "unknown", "done", "failed", "in_flight"]
     assert {"aborted", "unknown", "done", "failed"} == proto.ABORT_SAFE_STATES
+
+
+@pytest.mark.parametrize("value", ["localhost\n", "10.0.0.1\n", "[::1]\n"])
+def test_a_trailing_newline_is_not_a_host(value):
+    assert not proto.valid_host(value)
+    with pytest.raises(proto.ParamsError, match="remote_host"):
+        proto.decode_params({"do_remote_prefill": True, "remote_engine_id": "p",
+                             "remote_request_id": "r", "remote_host": value, "remote_port": 1,
+                             "remote_block_ids": [[1]]})
+
+
+def test_patterns_refuse_a_trailing_newline():
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert("0123456789abcdef\n", proto.BlockHash)
+    assert msgspec.convert("0123456789abcdef", proto.BlockHash) == "0123456789abcdef"

@@ -333,7 +333,7 @@ def sign_leg(keyring: Keyring, params: Mapping[str, Any], request_id: str,
 
 
 _LEG_RE = re.compile(r"^v1\.([0-9a-f]{8})\.(-?[0-9]{1,16})\.([0-9a-f]{32})\.([0-9a-f]{16})"
-                     r"\.([0-9a-f]{64})$")
+                     r"\.([0-9a-f]{64})\Z")
 
 
 def verify_leg(keyring: Keyring, params: Mapping[str, Any], *, request_id: str | None = None,

@@ -46,9 +46,11 @@ MAX_TTL_S: Final = 3600.0
 #: A DNS name (labels of letters, digits, ``-``, ``_``), an IPv4 address or
 #: an IPv6 literal (optionally bracketed). Excludes what would change the
 #: meaning of ``tcp://HOST:PORT`` (spaces, ``/``, ``@``, non-ASCII).
+#: ``\Z``, not ``$``: msgspec matches patterns with ``re.search``, where ``$``
+#: also matches before a trailing newline (``"localhost\n"`` would pass).
 HOST_PATTERN: Final = (r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
                        r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*"
-                       r"|\[?[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\]?)$")
+                       r"|\[?[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*\]?)\Z")
 
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LEN)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
@@ -61,7 +63,7 @@ BlockId = Annotated[int, msgspec.Meta(ge=0)]
 BlockIds = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS)]
 Ttl = Annotated[float, msgspec.Meta(gt=0, le=MAX_TTL_S)]
 #: One chained block hash (``bidir.block_hashes``): 16 lowercase hex digits.
-BlockHash = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}$")]
+BlockHash = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16}\Z")]
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -430,7 +432,7 @@ class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=Tru
     prompt_digest: Annotated[str, msgspec.Meta(max_length=64)] = ""
     #: Random per registration: P's WRITE notification echoes it, so D counts
     #: only a notification from the P it registered with.
-    notif_token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")] = ""
+    notif_token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*\Z")] = ""
 
 
 class PushAcceptedState(enum.StrEnum):
