@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from vllm_pd_proxy.decision import Decision, Reason, decide, is_saturated
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "proxy.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def test_threshold_zero_is_always_remote_and_estimates_nothing():
@@ -66,6 +66,6 @@ def test_reasons_are_the_documented_metric_labels():
     """The enum's values are the label values of pd_proxy_prefill_decisions_total."""
     row = next(line for line in DOCS.read_text().splitlines()
                if line.startswith("| `pd_proxy_prefill_decisions_total`"))
-    documented = re.findall(r"`(\w+)`", row.split("`reason`", 1)[1])
+    documented = re.findall(r"`(\w+)`", row.split("`reason`", 1)[1].split("|")[0])
     assert documented == [reason.value for reason in Reason]
     assert f"{Reason.PREFIX_HIT}" == "prefix_hit" and str(Reason.MULTI_TURN) == "multi_turn"
