@@ -5,6 +5,19 @@ sockets or vLLM), ``component/`` (real ZMQ, threads, the fake transport),
 ``scheduler/`` (real vLLM ``Scheduler``s), ``transport/`` (real NIXL),
 ``proxy/`` (real HTTP, fake engines) and ``e2e/`` (real engines). Helpers
 shared across them live in ``support/``, put on ``sys.path`` here.
+
+Parallel tiers: ``tests/run.sh`` with no arguments runs pytest-xdist with
+two workers and ``--dist loadgroup``; every test is in one of two groups
+(``pytest_itemcollected``), so one worker runs the e2e tier (one session
+set of engines, its tests in the order tests/e2e/conftest.py sets) while
+the other runs every engine-free tier beside it.
+
+Skips: a test that cannot run here (no NIXL, no namespaces, one core) skips
+with its reason, and ``tests/run.sh`` lists every reason at the end (``-rs``).
+CI installs everything, so there a skip means a tier silently tested
+nothing: with ``PD_EXT_NO_SKIP=1`` (set by ``.ci/run``) every skipped test,
+and every module skipped at collection, is reported as a failure naming the
+reason.
 """
 
 from __future__ import annotations
@@ -23,8 +36,51 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
+from collections.abc import Generator
+from typing import Any
+
 import pytest
 from pdunit_utils import FakeClock, free_port
+
+#: Set by .ci/run: a skip is a failure (CI has NIXL, vLLM, root and 2 cores).
+NO_SKIP_ENV = "PD_EXT_NO_SKIP"
+E2E_DIR = Path(__file__).parent / "e2e"
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The item's xdist group (used only under ``--dist loadgroup``)."""
+    engines = E2E_DIR in Path(item.path).parents
+    item.add_marker(pytest.mark.xdist_group("engines" if engines else "no-engines"))
+
+
+def _no_skip() -> bool:
+    return os.environ.get(NO_SKIP_ENV, "") not in ("", "0")
+
+
+def _fail_skip(report: Any, what: str) -> None:
+    """Turn a skipped report into a failed one that names the skip's reason."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
+    report.outcome = "failed"
+    report.longrepr = (f"{what} was skipped, and {NO_SKIP_ENV}=1 (CI) allows no skip: "
+                       f"{reason}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, Any, Any]:
+    report = yield
+    if _no_skip() and report.skipped and not hasattr(report, "wasxfail"):
+        _fail_skip(report, item.nodeid)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
+    report = yield
+    if _no_skip() and report.skipped:
+        _fail_skip(report, collector.nodeid)
+    return report
 
 
 @pytest.fixture

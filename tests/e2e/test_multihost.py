@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     BLOCK_SIZE,
     CACHE_HIT,
@@ -77,17 +78,12 @@ def stack(request: pytest.FixtureRequest, model: str) -> Iterator[dict[str, Any]
               for i in range(2)]
         proxy = Proxy([p.url for p in ps], [d.url for d in ds], logs,
                       args=["--transfer-mode", mode])
-        try:
-            for e in (*ps, *ds):
-                e.start()
-            for e in (*ps, *ds):
-                e.wait_ready()
-            proxy.start().wait_ready()
-            yield {"mode": mode, "ps": ps, "ds": ds, "proxy": proxy, "topo": topo}
-        finally:
-            proxy.stop()
-            for e in (*ds, *ps):
-                e.stop()
+        with engine_set(*ps, *ds):
+            try:
+                proxy.start().wait_ready()
+                yield {"mode": mode, "ps": ps, "ds": ds, "proxy": proxy, "topo": topo}
+            finally:
+                proxy.stop()
 
 
 def _jobs(mode: str, model: str) -> list[tuple[str, dict[str, Any]]]:
