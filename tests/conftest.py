@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 # Must precede any NIXL/UCX import (vLLM may import NIXL lazily).
 os.environ["UCX_NET_DEVICES"] = "lo"
@@ -35,9 +37,6 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
-
-from collections.abc import Generator
-from typing import Any
 
 import pytest
 from pdunit_utils import FakeClock, free_port

@@ -37,7 +37,7 @@ E2E_ORDER = [
     "test_pull.py", "test_proxy_e2e.py", "test_oracle.py", "test_concurrency.py",
     "test_sizing_e2e.py", "test_slo_bench_e2e.py",
     "test_auth_e2e.py", "test_failures.py", "test_intree_nixl.py", "test_push.py",
-    "test_multiturn.py", "test_multihost.py", "test_soak.py",
+    "test_multiturn.py", "test_multihost.py",
     "test_isolation.py", "test_drain.py",
 ]
 
