@@ -3,10 +3,13 @@
 The session set, started together once and stopped by PID at the end:
 ``ref`` a collocated engine without a connector (the oracle), ``p`` a
 PDConnector producer, ``d`` a consumer with ``kv_load_failure_policy=fail``
-(and ``transfer_telemetry_in_response``), and ``p2`` a second producer:
-``test_isolation.py`` freezes it and ``test_drain.py`` drains it. Modules
-whose engines need another configuration start their own set
-(``engine_set.py``), and stop it when the module ends.
+(and ``transfer_telemetry_in_response``). ``p2``, a second producer, starts
+when a test first needs it (``test_isolation.py`` freezes it and
+``test_drain.py`` drains it, late in the run), so that it never runs beside
+the largest module sets: 8 engines at once is the most a 23 GiB machine
+holds (the multi-turn module's 5 and the session's 3). Modules whose engines
+need another configuration start their own set (``engine_set.py``), and stop
+it when the module ends.
 
 Order (``pytest_collection_modifyitems``): the e2e tests run after every
 other tier, modules in ``E2E_ORDER``. ``test_isolation.py`` runs late, when
@@ -77,8 +80,6 @@ def engines(model: str) -> Iterator[dict[str, Engine]]:
         "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
                     extra_config={"transfer_telemetry_in_response": True,
                                   "drain_timeout": 60.0}),
-        "p2": Engine("p2", model, logs, role="kv_producer", cpu_bind="0",
-                     extra_config={"drain_timeout": 60.0}),
     }
     with engine_set(*engs.values()):
         yield engs
@@ -100,7 +101,10 @@ def d(engines: dict[str, Engine]) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def p2(engines: dict[str, Engine]) -> Engine:
+def p2(model: str) -> Iterator[Engine]:
     """A second producer (default lease), frozen by test_isolation.py and
     drained, for good, by test_drain.py."""
-    return engines["p2"]
+    eng = Engine("p2", model, log_dir("session"), role="kv_producer", cpu_bind="0",
+                 extra_config={"drain_timeout": 60.0})
+    with engine_set(eng):
+        yield eng
