@@ -7,8 +7,8 @@ sockets or vLLM), ``component/`` (real ZMQ, threads, the fake transport),
 shared across them live in ``support/``, put on ``sys.path`` here.
 
 Parallel tiers: ``tests/run.sh`` with no arguments runs pytest-xdist with
-two workers and ``--dist loadgroup``; every test is in one of two groups
-(``pytest_itemcollected``), so one worker runs the e2e tier (one session
+two workers and ``--dist loadgroup``, scheduled here as two work units
+(``pytest_xdist_make_scheduler``): one worker runs the e2e tier (one session
 set of engines, its tests in the order tests/e2e/conftest.py sets) while
 the other runs every engine-free tier beside it.
 
@@ -43,13 +43,23 @@ from pdunit_utils import FakeClock, free_port
 
 #: Set by .ci/run: a skip is a failure (CI has NIXL, vLLM, root and 2 cores).
 NO_SKIP_ENV = "PD_EXT_NO_SKIP"
-E2E_DIR = Path(__file__).parent / "e2e"
+E2E_PREFIX = "tests/e2e/"
 
 
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """The item's xdist group (used only under ``--dist loadgroup``)."""
-    engines = E2E_DIR in Path(item.path).parents
-    item.add_marker(pytest.mark.xdist_group("engines" if engines else "no-engines"))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadgroup``: two work units, the e2e tier and the rest,
+    one per worker (xdist's own groups, by ``xdist_group`` marks, do not take
+    with pytest 9's node ids, and no test here uses them)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if nodeid.startswith(E2E_PREFIX) else "no-engines"
+
+    return TierScheduling(config, log)
 
 
 def _no_skip() -> bool:

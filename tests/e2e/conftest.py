@@ -16,8 +16,8 @@ other tier, modules in ``E2E_ORDER``. ``test_isolation.py`` runs late, when
 the engine-free tiers (run beside it by ``tests/run.sh``) are done, since it
 times handoffs. ``test_drain.py`` runs last: its tests drain ``p2`` and then
 ``d`` (SIGTERM: they exit), so no test after them could use those engines.
-Under pytest-xdist every e2e test is in one ``xdist_group`` (tests/conftest.py):
-one worker runs them all, in this order, on one session set.
+Under pytest-xdist one worker runs every e2e test (tests/conftest.py), in
+this order, on one session set.
 """
 
 from __future__ import annotations
