@@ -5,13 +5,28 @@ sockets or vLLM), ``component/`` (real ZMQ, threads, the fake transport),
 ``scheduler/`` (real vLLM ``Scheduler``s), ``transport/`` (real NIXL),
 ``proxy/`` (real HTTP, fake engines) and ``e2e/`` (real engines). Helpers
 shared across them live in ``support/``, put on ``sys.path`` here.
+
+Parallel tiers: ``tests/run.sh`` with no arguments runs pytest-xdist with
+two workers and ``--dist loadgroup``, scheduled here as two work units
+(``pytest_xdist_make_scheduler``): one worker runs the e2e tier (one session
+set of engines, its tests in the order tests/e2e/conftest.py sets) while
+the other runs every engine-free tier beside it.
+
+Skips: a test that cannot run here (no NIXL, no namespaces, one core) skips
+with its reason, and ``tests/run.sh`` lists every reason at the end (``-rs``).
+CI installs everything, so there a skip means a tier silently tested
+nothing: with ``PD_EXT_NO_SKIP=1`` (set by ``.ci/run``) every skipped test,
+and every module skipped at collection, is reported as a failure naming the
+reason.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 # Must precede any NIXL/UCX import (vLLM may import NIXL lazily).
 os.environ["UCX_NET_DEVICES"] = "lo"
@@ -25,6 +40,56 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 import pytest
 from pdunit_utils import FakeClock, free_port
+
+#: Set by .ci/run: a skip is a failure (CI has NIXL, vLLM, root and 2 cores).
+NO_SKIP_ENV = "PD_EXT_NO_SKIP"
+E2E_PREFIX = "tests/e2e/"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadgroup``: two work units, the e2e tier and the rest,
+    one per worker (xdist's own groups, by ``xdist_group`` marks, do not take
+    with pytest 9's node ids, and no test here uses them)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if nodeid.startswith(E2E_PREFIX) else "no-engines"
+
+    return TierScheduling(config, log)
+
+
+def _no_skip() -> bool:
+    return os.environ.get(NO_SKIP_ENV, "") not in ("", "0")
+
+
+def _fail_skip(report: Any, what: str) -> None:
+    """Turn a skipped report into a failed one that names the skip's reason."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
+    report.outcome = "failed"
+    report.longrepr = (f"{what} was skipped, and {NO_SKIP_ENV}=1 (CI) allows no skip: "
+                       f"{reason}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, Any, Any]:
+    report = yield
+    if _no_skip() and report.skipped and not hasattr(report, "wasxfail"):
+        _fail_skip(report, item.nodeid)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
+    report = yield
+    if _no_skip() and report.skipped:
+        _fail_skip(report, collector.nodeid)
+    return report
 
 
 @pytest.fixture

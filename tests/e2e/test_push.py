@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.concurrency import check_concurrent_load
+from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     BLOCK_SIZE,
     EXTERNAL,
@@ -36,7 +37,7 @@ from tests.e2e.helpers import (
     token_prompt,
 )
 from tests.e2e.test_pull import CASES
-from vllm_pd_ext.testing.engines import Engine, Proxy, running
+from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
 
 pytestmark = pytest.mark.engine
@@ -67,7 +68,7 @@ def push(model: str) -> Iterator[dict[str, Any]]:
                               cpu_bind="1", failure_policy="recompute",
                               extra_config={"transfer_mode": "push"}),
     }
-    with running(*engs.values()):
+    with engine_set(*engs.values()):
         proxy = Proxy([engs["p"].url], [engs["d"].url], logs,
                       args=["--transfer-mode", "push"]).start()
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from pdproxy_helpers import parse_sse
 
 PULL_P_PARAMS = {
@@ -49,7 +51,7 @@ async def test_pull_leg_shapes(engines, proxy):
     expected_d["kv_transfer_params"] = p.kv_params  # P's answer, verbatim
     assert d_leg.body == expected_d
     rid = p_leg.headers["X-Request-Id"]
-    assert len(rid) == 32 and int(rid, 16) >= 0  # uuid4 hex
+    assert uuid.UUID(hex=rid).hex == rid and uuid.UUID(rid).version == 4  # uuid4 hex
     assert d_leg.headers["X-Request-Id"] == rid
     assert resp.headers["X-Request-Id"] == rid
 

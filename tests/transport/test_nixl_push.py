@@ -234,11 +234,14 @@ def test_pusher_keeps_the_real_agent_and_reaps_departed_ones(pusher):
     try:
         real = InProcessD(f"eng-d0-tp0-{tag}")
         ds.append(real)
-        assert settled(order("eng-d0", real.agent())).release_ok
-        assert real.block(9) == nixl_peer.pattern(NBYTES)[7 * BLOCK:8 * BLOCK]
-        # Another agent that NIXL knows under the real one's name.
+        # Another agent that NIXL knows under the real one's name. Made before
+        # the real one's WRITE: made after it, on a loaded machine, it can take
+        # longer than the pusher's 1 s idle TTL, which would evict the real
+        # peer and leave nothing cached for it to be confused with.
         evil = InProcessD(real.t.agent_name)
         ds.append(evil)
+        assert settled(order("eng-d0", real.agent())).release_ok
+        assert real.block(9) == nixl_peer.pattern(NBYTES)[7 * BLOCK:8 * BLOCK]
         for agent in (evil.agent(),                              # the cached name
                       evil.agent(name=f"eng-d0-tp0-other{tag}")):  # a new name
             lease = settled(order("eng-d0", agent))

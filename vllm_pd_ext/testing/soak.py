@@ -521,17 +521,24 @@ def run(cfg: SoakConfig, model: str, ref: Engine | None = None) -> dict[str, Any
                 ref.start()
                 ref.wait_ready(timeout=600)
             cluster.wait_ready()
-            soak = Soak(cfg, cluster, ref, model)
-            soak.references()
-            soak.warm_up()
-            baseline = {e.name: resources(e) for e in cluster.engines}
-            soak.run_load()
-            end = soak.settle()
-            soak.judge()
+            return run_on(cfg, cluster, ref, model)
         finally:
             cluster.stop()
             if own_ref:
                 ref.stop()
+
+
+def run_on(cfg: SoakConfig, cluster: Cluster, ref: Engine, model: str) -> dict[str, Any]:
+    """The soak on a cluster that is up (``Cluster(cfg, ...)``, started and
+    ready); the report. The caller stops the cluster (tests/e2e reuses the
+    one its multi-host test ran on)."""
+    soak = Soak(cfg, cluster, ref, model)
+    soak.references()
+    soak.warm_up()
+    baseline = {e.name: resources(e) for e in cluster.engines}
+    soak.run_load()
+    end = soak.settle()
+    soak.judge()
     return report(cfg, soak, baseline, end)
 
 
