@@ -16,7 +16,9 @@
 # PD_EXT_NO_SKIP=1, which makes every skip a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.ci/setup-env
+if [ -z "${PD_EXT_SETUP_DONE:-}" ]; then  # .ci/run set it up already
+  .ci/setup-env
+fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export UCX_NET_DEVICES=lo VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1
