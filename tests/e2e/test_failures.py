@@ -233,36 +233,31 @@ def test_replayed_d_leg_never_reads_freed_blocks(fail_engines: dict[str, Engine]
     assert "unknown to P" in d_recompute.log_text()
 
 
-def test_n2_on_one_p_answer_loads_once_and_the_other_child_is_refused(
+def test_n2_on_one_p_answer_loads_once_and_both_children_answer(
         fail_engines: dict[str, Engine], d: Engine, model: str) -> None:
-    """Item 7: ``n=2`` sent straight to D (no proxy, which answers 400). vLLM
-    refuses ``n > 1`` at temperature 0 itself; sampled, it fans out two
-    children carrying one P answer. One loads P's KV; the other fails its
-    load with an error naming the reuse, so policy fail errors the request
-    and policy recompute prefills that child locally. Nothing hangs, and P's
-    blocks are released, not left to expire."""
-    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    """Issue 24 item 2 (was issue 7's refusal): ``n=2`` on one P answer.
+    vLLM refuses ``n > 1`` at temperature 0 itself, as a collocated engine
+    does; sampled, it fans out two children carrying one P answer. One
+    loads P's KV; the other waits for that load and reuses it through D's
+    prefix cache: both answer, one load, no failure, even under policy
+    fail. P's blocks are released, not left to expire."""
+    p = fail_engines["p"]
     body = completion_body(model, token_prompt(260, seed=42), max_tokens=6)
     status, got = d.post("/v1/completions", dict(body, n=2, kv_transfer_params=prefill(p, body)))
     assert status == 400 and "n must be 1" in str(got), got  # vLLM's own greedy check
     sampled = dict(body, n=2, temperature=1.0, seed=7)
     p_before = p.metrics()
+    before = d.metrics()
     t0 = time.monotonic()
     status, got = d.post("/v1/completions", dict(sampled, kv_transfer_params=prefill(p, body)))
-    assert status >= 400, got
-    assert time.monotonic() - t0 < 30
-    assert "already using" in d.log_text()
-    assert d.alive()
-    before = d_recompute.metrics()
-    status, got = d_recompute.post("/v1/completions",
-                                   dict(sampled, kv_transfer_params=prefill(p, body)))
-    after = d_recompute.metrics()
+    after = d.metrics()
     assert status == 200, got
+    assert time.monotonic() - t0 < 30
     assert len(got["choices"]) == 2
     assert all(len(c["token_ids"]) == 6 for c in got["choices"])
-    assert delta(before, after, EXTERNAL) == 260  # one child's KV came from P
-    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
-    assert "already using" in d_recompute.log_text()
+    assert delta(before, after, EXTERNAL) == 260  # one load, from P
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 0
+    assert "shares the KV load of request" in d.log_text()
     poke(p, model)
     p_after = p.metrics()
     assert p_after["vllm:kv_cache_usage_perc"] == 0.0  # every lease released...

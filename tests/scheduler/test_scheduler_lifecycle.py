@@ -478,9 +478,73 @@ def test_d_tp_size_in_params_is_checked_never_looped_over(make_scheduler, fake_p
     assert_empty_after_step(sched)
 
 
+def test_d_n_children_share_one_load_then_hit_the_prefix_cache(make_scheduler, fake_p):
+    """Issue 24 item 2: vLLM fans ``n`` > 1 out into children that share the
+    parent's params (one dict). The first child loads P's KV; the second
+    (same prompt, same lease) is not scheduled while that load is pending,
+    never loads or heartbeats itself, and once the load is reported it
+    computes only what the prefix cache lacks (the partial last block)."""
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(policy="fail")
+    prompt = [10 + i for i in range(100)]
+    params = remote_params(port, 4, num_tokens=100,
+                           remote_prompt_digest=auth.token_digest(prompt))
+    first = create_request(100, prompt=prompt, kv_transfer_params=params, max_tokens=3)
+    second = create_request(100, prompt=prompt, kv_transfer_params=params, max_tokens=3)
+    sched.add_request(first)
+    sched.add_request(second)
+    for _ in range(3):  # the load is pending: the second child waits, unscheduled
+        out, _ = step(sched)
+        meta = out.kv_connector_metadata
+        assert second.request_id not in out.num_scheduled_tokens
+        assert second.status is RequestStatus.WAITING
+        assert all(s.request_id == first.request_id for s in meta.reqs_to_recv)
+        assert meta.reqs_to_fail == {}
+    assert first.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert list(pd(sched).heartbeats._tracked) == [first.request_id]
+    step(sched, finished_recving={first.request_id})
+    out, _ = step(sched)
+    # Both run now: the second over the 3 whole blocks the load cached.
+    assert out.num_scheduled_tokens.get(second.request_id) == 100 - 3 * BLOCK_SIZE
+    assert second.request_id not in pd(sched).d
+    run_until_finished(sched, first)
+    run_until_finished(sched, second)
+    assert first.status is second.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    # The loader's workers release P's lease after their READ (no workers
+    # here); the follower, ending, must not have released it.
+    assert leases.table.get("p-req").state is not LeaseState.RELEASED
+    assert_empty_after_step(sched)
+
+
+def test_d_child_aborted_while_waiting_for_its_leader_leaves_nothing(make_scheduler, fake_p):
+    """A follower that ends before the shared load does (the client went
+    away) leaves no record; the leader's load and lease are untouched."""
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(policy="fail")
+    prompt = [20 + i for i in range(100)]
+    params = remote_params(port, 4, num_tokens=100,
+                           remote_prompt_digest=auth.token_digest(prompt))
+    first = create_request(100, prompt=prompt, kv_transfer_params=params)
+    second = create_request(100, prompt=prompt, kv_transfer_params=params)
+    sched.add_request(first)
+    sched.add_request(second)
+    step(sched)
+    sched.finish_requests(second.request_id, RequestStatus.FINISHED_ABORTED)
+    assert second.request_id not in pd(sched).d and first.request_id in pd(sched).d
+    assert leases.table.get("p-req").state is not LeaseState.RELEASED
+    step(sched, finished_recving={first.request_id})
+    run_until_finished(sched, first)
+    assert_empty_after_step(sched)
+
+
 def test_d_second_live_request_on_one_p_lease_is_refused(make_scheduler, fake_p):
-    """Items 6 and 7: the same P answer used by two live requests (a replayed
-    D leg, n > 1 children): the first loads, the second fails its load with
+    """Items 6 and 7: the same P answer used by two live requests for a
+    prompt it was not made for (no digest to prove it is the same prompt,
+    e.g. a replayed D leg): the first loads, the second fails its load with
     an error naming the other request; once the first ended, the lease is
     free to be named again (P then says whether it still exists)."""
     port, _ = fake_p

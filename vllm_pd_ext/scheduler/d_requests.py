@@ -7,8 +7,13 @@ for every ``Leg.D_LOAD`` request. Lifecycle of one request (its
 1. ``arrive`` (``on_new_request``): the params were decoded once
    (``legs.decode_leg``); here they are checked against this engine (prompt
    digest, transfer mode, TP size, a P lease another live request already
-   uses). A refused request keeps a record without params: its load fails
-   with ``bad_params``. Otherwise heartbeats to P start at once. [WAITING]
+   uses for another prompt). A refused request keeps a record without
+   params: its load fails with ``bad_params``. Otherwise heartbeats to P
+   start at once. [WAITING] A request naming a lease another request uses
+   for the same prompt (the ``n`` > 1 children vLLM makes of one client
+   request) follows that leader: it waits, loads nothing, and once the
+   leader's load is over it leaves this book and computes the rest (less
+   than a block) over the prefix cache the load filled.
 2. ``matched_tokens`` (``get_num_new_matched_tokens``): every prompt token
    D does not hold is loaded asynchronously.
 3. ``allocate`` (``update_state_after_alloc``): the mode's consumer
@@ -87,6 +92,9 @@ class DRequest(Load):
     arrived: float = 0.0
     #: Its load's telemetry, once the workers reported it.
     transfer: telemetry.TransferRecord | None = None
+    #: A follower: the request whose load from the same P lease it waits for
+    #: (``n`` > 1 siblings). It never loads, heartbeats or releases itself.
+    leader: str = ""
 
 
 @dataclass
@@ -148,9 +156,18 @@ class DRequests:
         lease = (str(params.remote_engine_id), key)
         user = self.lease_users.get(lease)
         if user is not None and user != rid:
+            if digest and not compat.is_rejection_notice(request):
+                # The same prompt (its digest checked above) on the same lease:
+                # a sibling of ``n``/``best_of``, which vLLM fans out into
+                # child requests sharing the parent's params. One load feeds
+                # them all: this one waits for it, then hits the prefix cache.
+                self._reqs[rid] = DRequest(params, leader=user)
+                logger.info("PDConnector: request %s shares the KV load of request %s "
+                            "(remote prefill %s): it waits for that load", rid, user, key)
+                return
             self._refuse(rid, f"kv_transfer_params name P lease {key} of engine {lease[0]}, "
-                         f"which request {user} on this engine is already using (a replayed P "
-                         "answer, or n > 1 / best_of: one prefill's KV feeds one decode)")
+                         f"which request {user} on this engine is already using for another "
+                         "prompt (a replayed P answer?): one prefill's KV feeds one prompt")
             return
         self.lease_users[lease] = rid
         self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic())
@@ -164,11 +181,26 @@ class DRequests:
         logger.error("PDConnector: request %s: %s; its KV load will fail", rid, why)
 
     # ---------------------------------------------------------------- the load
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool] | None:
-        """vLLM's ``get_num_new_matched_tokens`` answer; None: not a D request."""
-        d = self._reqs.get(request.request_id)
+    def matched_tokens(self, request: Any, num_computed_tokens: int
+                       ) -> tuple[int | None, bool] | None:
+        """vLLM's ``get_num_new_matched_tokens`` answer; None: not a D request.
+
+        A follower answers ``(None, False)`` (vLLM skips it this step) while
+        its leader's load is pending; then it leaves this book and is an
+        ordinary request: vLLM's prefix cache now holds the prompt's whole
+        blocks, and it computes only the rest (less than a block).
+        """
+        rid = request.request_id
+        d = self._reqs.get(rid)
         if d is None:
             return None
+        if d.leader:
+            leader = self._reqs.get(d.leader)
+            if leader is not None and not leader.leader and leader.state in (
+                    LoadState.WAITING, LoadState.LOADING):
+                return None, False
+            del self._reqs[rid]
+            return 0, False
         if d.state is not LoadState.WAITING:
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
@@ -250,6 +282,9 @@ class DRequests:
         d = self._reqs.get(rid)
         if d is None:
             return None
+        if d.leader:  # ended while waiting for its leader: nothing of it is anywhere
+            del self._reqs[rid]
+            return False, None
         answer = self._finish(rid, d, request, block_ids)
         if self._telemetry_in_answer and d.transfer is not None:
             answer = {**(answer or {}), telemetry.PARAMS_KEY: telemetry.to_dict(d.transfer)}

@@ -177,7 +177,9 @@ class PDScheduler:
     # ---------------------------------------------------------------- the step
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        matched = self.d.matched_tokens(request, num_computed_tokens)
+        # (None, False): not yet known, vLLM asks again next step.
+        matched: tuple[int | None, bool] | None = self.d.matched_tokens(
+            request, num_computed_tokens)
         if matched is None and request.request_id in self.readback:
             matched = self.readback.plan(request.request_id, request.num_prompt_tokens,
                                          num_computed_tokens)
