@@ -18,6 +18,7 @@ from vllm_pd_ext.compat import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     patches,
+    speculative_problem,
 )
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.metadata import PDConnectorMetadata
@@ -34,6 +35,9 @@ class PDConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = PDConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
+        problem = speculative_problem(vllm_config)
+        if problem is not None:
+            raise ValueError(f"PDConnector: {problem}")
         self.pd_config = cfg
         self._scheduler: PDScheduler | None = None
         self._worker: PDWorker | None = None

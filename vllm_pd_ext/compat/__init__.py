@@ -118,6 +118,34 @@ def tp_rank() -> int:
 
 
 # ---------------------------------------------------------------- requests
+#: Speculative methods with a drafter KV cache of their own (vLLM's
+#: ``SpeculativeConfig.uses_draft_kv_cache``), for a vLLM without that method.
+_DRAFT_KV_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model"})
+
+
+def speculative_problem(vllm_config: Any) -> str | None:
+    """Why this engine's speculative decoding cannot run with PDConnector, or None.
+
+    Methods that only propose tokens (``ngram``, ``suffix``, ``medusa``) need
+    no KV beyond the target model's, which is what P hands over. A drafter
+    with a KV cache of its own (EAGLE, MTP, a draft model) would start every
+    disaggregated request with that cache empty (P neither computes nor
+    sends it): refused at startup, by name, rather than served wrong.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    method = getattr(spec, "method", None)
+    uses = getattr(spec, "uses_draft_kv_cache", None)
+    draft_kv = uses() if callable(uses) else method in _DRAFT_KV_METHODS
+    if not draft_kv:
+        return None
+    return (f"speculative_config.method={method!r} keeps a drafter KV cache of its own, "
+            "which the prefill engine neither computes nor sends: PDConnector cannot "
+            "serve it. Use a method without drafter KV on the decode engine (ngram, "
+            "suffix), or serve this model without PDConnector")
+
+
 def is_finished_ok(request: Any) -> bool:
     """P hands blocks over only for prefills that finished normally."""
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
