@@ -51,6 +51,7 @@ from .metrics import Metrics
 from .prompt import inspect_prompt
 from .pull import run_pull
 from .push import run_push
+from .relay import ClientSink, StreamSink
 from .telemetry import LegMarks, SpanExporter
 from .upstream import Upstream
 
@@ -160,17 +161,29 @@ class Forwarder:
             key = conversation_key(request.headers, body, ctx.chat, self._config.session_header)
             ctx.capture_kv = key is not None
             turn = self._affinity.take_turn(key) if key is not None else None
-        affine = self._affinity.affine_decode(turn) if turn is not None else None
-        decision, decode, prefix = self._decide(ctx, affine, turn is not None)
-        self._metrics.decisions.labels(decision.label, decision.reason).inc()
         try:
-            return await self._run_flow(
-                request, ctx, body, headers, decision.is_local, decode, prefix, turn)
+            return await self.serve(ClientSink(request), ctx, body, headers, turn)
         finally:
             # Also when the client went away after the stream's last chunk
             # (the handler is cancelled then).
             if key is not None:
                 self._affinity.file_turn(ctx, key)
+
+    async def serve(
+        self,
+        sink: StreamSink,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        turn: Turn | None = None,
+    ) -> web.StreamResponse:
+        """One prompt: decide where it is prefilled, run that flow; a streamed
+        answer goes into ``sink`` (the client's response, or another)."""
+        affine = self._affinity.affine_decode(turn) if turn is not None else None
+        decision, decode, prefix = self._decide(ctx, affine, turn is not None)
+        self._metrics.decisions.labels(decision.label, decision.reason).inc()
+        return await self._run_flow(
+            sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
 
     def _decide(
         self, ctx: RequestContext, affine: Backend | None, has_turn: bool
@@ -201,7 +214,7 @@ class Forwarder:
 
     async def _run_flow(
         self,
-        request: web.Request,
+        sink: StreamSink,
         ctx: RequestContext,
         body: dict[str, Any],
         headers: dict[str, str],
@@ -216,11 +229,11 @@ class Forwarder:
             up = self._up
             keep = up.sign({"pd_bidirectional": True}, ctx, body) if ctx.capture_kv else None
             return await up.decode_leg(
-                request, ctx, decode, _encode(decode_body(body, keep)), headers, prefix)
+                sink, ctx, decode, _encode(decode_body(body, keep)), headers, prefix)
         if self._push:
             ctx.mode = "push"
             return await run_push(
-                self._up, self._affinity, request, ctx, body, headers, decode, prefix, turn)
+                self._up, self._affinity, sink, ctx, body, headers, decode, prefix, turn)
         ctx.mode = "pull"
         return await run_pull(
-            self._up, self._affinity, request, ctx, body, headers, decode, prefix, turn)
+            self._up, self._affinity, sink, ctx, body, headers, decode, prefix, turn)
