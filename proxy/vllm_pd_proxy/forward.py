@@ -5,8 +5,8 @@ shared ClientSession; ``POST /v1/completions`` and ``/v1/chat/completions``
 call :meth:`Forwarder.handle` once per client request. Flow:
 
 1. read the body under the memory caps (413/503, :mod:`vllm_pd_proxy.body`),
-   parse it (400 on bad JSON or ``n``/``best_of`` > 1), estimate prompt
-   tokens;
+   parse it (400 on bad JSON or an ``n`` that D would refuse), estimate
+   prompt tokens;
 2. multi-turn (``--multi-turn``): the conversation's last turn and its D
    (:mod:`vllm_pd_proxy.affinity`);
 3. decide (:mod:`vllm_pd_proxy.decision`): ``local`` (conditional
@@ -39,7 +39,7 @@ from . import errors
 from .admission import PrefillGate
 from .affinity import Affinity
 from .backends import Backend, Pool
-from .body import BodyBudget, parse_body, read_body, reject_unsupported
+from .body import BodyBudget, num_choices, parse_body, read_body
 from .config import ProxyConfig, TransferMode
 from .context import RequestContext, sanitize_request_id
 from .conversations import Turn, conversation_key
@@ -96,7 +96,7 @@ class Forwarder:
             raw = await read_body(request, held, self._config.max_request_bytes)
             body = parse_body(raw)
             del raw  # the parsed body replaces it; do not keep both alive
-            reject_unsupported(body)
+            n = num_choices(body)
             ctx.stream = bool(body.get("stream"))
             # The chunk keys only matter to conditional disaggregation.
             config = self._config
@@ -106,7 +106,7 @@ class Forwarder:
             auth = request.headers.get("Authorization")
             if auth:
                 headers["Authorization"] = auth
-            out = await self._route(request, ctx, body, headers)
+            out = await self._route(request, ctx, body, headers, n)
             if ctx.outcome != Outcome.CANCELLED:
                 ctx.status = out.status
             return out
@@ -152,6 +152,7 @@ class Forwarder:
         ctx: RequestContext,
         body: dict[str, Any],
         headers: dict[str, str],
+        n: int,
     ) -> web.StreamResponse:
         # The proxy owns kv_transfer_params: a client's own would corrupt the
         # handshake (or make a local-prefill request wait for a remote KV).
@@ -159,7 +160,9 @@ class Forwarder:
         key = turn = None
         if self._config.multi_turn:
             key = conversation_key(request.headers, body, ctx.chat, self._config.session_header)
-            ctx.capture_kv = key is not None
+            # Only one answer can be the conversation's next turn: with n > 1
+            # D keeps nothing (the history is still read back, if kept).
+            ctx.capture_kv = key is not None and n == 1
             turn = self._affinity.take_turn(key) if key is not None else None
         try:
             return await self.serve(ClientSink(request), ctx, body, headers, turn)
