@@ -6,8 +6,9 @@ not streaming), all under ``--decode-timeout``; nothing has reached the
 client yet, so any failure can still become a proper HTTP error status.
 :func:`relay_stream` then relays the SSE events, in order, into a
 :class:`StreamSink`: :class:`ClientSink` sends the headers and the events to
-the client as they are; another sink may rewrite them into a response that
-is not this leg's alone.
+the client as they are (every request but a batched one), a batch member's
+sink (:mod:`vllm_pd_proxy.batch_flow`) re-indexes them into the batch's
+merged stream.
 
 SSE relaying is event-aligned: bytes are forwarded up to the last complete
 event (``\\n\\n``) and a partial event is held back, so when the backend dies

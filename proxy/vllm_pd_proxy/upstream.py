@@ -13,8 +13,8 @@ flow, a D leg alone) call it per request, on the event loop only. Each leg:
 2. turns every failure into a :class:`~vllm_pd_proxy.errors.ProxyError`
    and tells the health monitor about the engine (a check soon, or
    ``draining`` at once);
-3. a D leg relays D's answer to the client, or into another sink
-   (:mod:`vllm_pd_proxy.relay`), and
+3. a D leg relays D's answer to the client, or into a batch's merged
+   answer (:mod:`vllm_pd_proxy.relay`), and
    closes D's response whatever happens, which makes the engine abort a
    request the client no longer wants.
 """
