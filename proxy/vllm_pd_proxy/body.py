@@ -1,9 +1,9 @@
-"""Client request bodies: read them under memory caps, parse them, refuse what P/D cannot do.
+"""Client request bodies: read them under memory caps, parse them, check ``n``.
 
 Role: :meth:`~vllm_pd_proxy.forward.Forwarder.handle` calls, once per request,
 :func:`read_body` (the bytes, counted against the request's
 :class:`BodyReservation`), :func:`parse_body` (a JSON object or 400) and
-:func:`reject_unsupported` (400 for parameters the P/D handoff cannot serve),
+:func:`num_choices` (400 for an ``n`` D would refuse after P prefilled),
 all before any leg is dispatched.
 
 Memory: each request may hold up to ``--max-request-bytes`` (413 above, as
@@ -107,26 +107,31 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-# Parameters asking one request for several samples. A P/D handoff moves one
-# prompt's KV from one prefill to one decode request; several samples would
-# need the KV fanned out to several decode sequences, which neither connector
-# does yet.
-_FAN_OUT_PARAMS = ("n", "best_of")
+# vLLM samples greedily below this temperature (sampling_params._SAMPLING_EPS).
+_GREEDY_BELOW = 1e-5
 
 
-def reject_unsupported(body: dict[str, Any]) -> None:
-    """400 (naming the parameter) for ``n > 1`` or ``best_of > 1``.
+def num_choices(body: dict[str, Any]) -> int:
+    """The choices each prompt asks for (``n``, 1 when absent); 400 naming
+    ``n`` when D would refuse it.
 
-    Refused in every mode, local prefill included, so whether a request works
-    never depends on its prompt length. Non-numeric values are left to the
-    engine, which rejects them with its own message.
+    The P leg drops ``n`` (P prefills once, for one token) and D fans out,
+    so an ``n`` D would refuse must be refused here, before P leases a
+    prefill for nothing: one that is not a positive integer, or above 1 with
+    a greedy ``temperature`` (below 1e-5, beam search aside). A greedy
+    default temperature from the model's generation config is not known
+    here; D refuses that itself. ``best_of`` (no field of vLLM 0.32's
+    completion or chat request: ignored there) goes to D as the client sent it.
     """
-    for name in _FAN_OUT_PARAMS:
-        value = body.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 1:
-            raise errors.bad_request(
-                f"{name}={value!r} is not supported by the P/D proxy: a prefill hands its KV "
-                f"cache to exactly one decode request, so several samples per request "
-                f"({name} > 1) cannot be served; send separate requests instead",
-                param=name,
-            )
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise errors.bad_request(f"n={n!r} must be a positive integer", param="n")
+    temperature = body.get("temperature")
+    if (n > 1 and isinstance(temperature, int | float) and not isinstance(temperature, bool)
+            and temperature < _GREEDY_BELOW and not body.get("use_beam_search")):
+        # vLLM's own words (SamplingParams), which D would answer after P's prefill.
+        raise errors.bad_request(f"n must be 1 when using greedy sampling, got {n}.",
+                                 param="n")
+    return n

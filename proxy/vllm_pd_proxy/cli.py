@@ -287,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest SSE event relayed from a decode engine; a longer one fails the request",
     )
     g.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        metavar="N",
+        default=_D.max_batch_prompts,
+        help="prompts of one batched /v1/completions request (each its own P/D "
+        "handoff); more get 400; 1 refuses every batch",
+    )
+    g.add_argument(
         "--backend-api-key",
         metavar="KEY",
         # Not the env value as default: --help prints defaults, never the key.
@@ -348,6 +356,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_request_bytes=args.max_request_bytes,
         max_total_body_bytes=args.max_total_body_bytes,
         max_sse_event_bytes=args.max_sse_event_bytes,
+        max_batch_prompts=args.max_batch_prompts,
         backend_api_key=getattr(args, "backend_api_key", None) or os.environ.get(API_KEY_ENV),
         auth=_keyring(args.auth_secret_file),
         multi_turn=args.multi_turn,

@@ -98,6 +98,9 @@ class ProxyConfig:
     # Longest partial SSE event held back while relaying D's stream. vLLM's
     # events are KBs, but prompt_logprobs of a long prompt come in one event.
     max_sse_event_bytes: int = 16 * 1024 * 1024
+    # Prompts of one batched /v1/completions request, each its own P/D
+    # handoff (vllm_pd_proxy.batch); more get 400.
+    max_batch_prompts: int = 64
     # Sent as "Authorization: Bearer <key>" on the proxy's own calls (health,
     # identity probes) to engines started with --api-key. repr=False: the
     # config may be logged or printed, the key must not be.
@@ -178,6 +181,8 @@ class ProxyConfig:
                               "non-empty")
         if self.max_sse_event_bytes < 1024:
             raise ConfigError("--max-sse-event-bytes must be >= 1024")
+        if self.max_batch_prompts < 1:
+            raise ConfigError("--max-batch-prompts must be >= 1")
         # An empty key (e.g. an empty environment variable) means no key.
         api_key = self.backend_api_key or None
         return dataclasses.replace(self, prefill=prefill, decode=decode, backend_api_key=api_key,

@@ -3,7 +3,9 @@
 Lifecycle: :mod:`vllm_pd_proxy.forward` creates one :class:`RequestContext`
 when a client request arrives, the legs fill it in (chosen backends, first
 byte time, outcome), and at the end it feeds the metrics and produces the one
-structured INFO access-log line per request.
+structured INFO access-log line per request. A batched request also gets one
+context per prompt (``members``, ids from :func:`member_request_id`), which
+its legs fill in; only the request's own context is logged and counted.
 
 Everything a client controls is made safe before it reaches a log line:
 :func:`sanitize_request_id` for the ``X-Request-Id`` the proxy adopts (and
@@ -48,6 +50,14 @@ def sanitize_request_id(raw: str | None) -> str | None:
     return _UNSAFE_ID_CHARS.sub("_", raw[:MAX_REQUEST_ID_LEN]) or None
 
 
+def member_request_id(request_id: str, prompt: int) -> str:
+    """The id of a batch's prompt ``prompt``: ``<request_id>-<prompt>``, the
+    request id cut so that the whole stays within :data:`MAX_REQUEST_ID_LEN`
+    (the suffix keeps the members' ids distinct)."""
+    suffix = f"-{prompt}"
+    return request_id[:MAX_REQUEST_ID_LEN - len(suffix)] + suffix
+
+
 def log_safe(text: str) -> str:
     """``text`` as one quoted, escaped token: no newline, control character or bare quote."""
     return json.dumps(text)
@@ -83,6 +93,9 @@ class RequestContext:
     kept_turn: dict[str, Any] | None = None
     # --transfer-telemetry / --otel: the legs' timings (vllm_pd_proxy.telemetry).
     marks: LegMarks | None = None
+    # A batched request: one context per prompt (vllm_pd_proxy.batch_flow);
+    # only this one feeds the metrics and the access log.
+    members: tuple[RequestContext, ...] = ()
 
     def mark(self, name: str) -> None:
         """Record that leg event ``name`` happened now (telemetry on only)."""
@@ -100,7 +113,7 @@ class RequestContext:
             access_log.info(
                 "request_id=%s endpoint=%s mode=%s prefill=%s decode=%s status=%d outcome=%s "
                 "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d uncached_est=%s retries=%d "
-                "queue_ms=%.1f%s",
+                "queue_ms=%.1f%s%s",
                 self.request_id,
                 self.endpoint,
                 self.mode,
@@ -114,5 +127,6 @@ class RequestContext:
                 "-" if self.uncached_tokens is None else self.uncached_tokens,
                 self.retries,
                 self.queued * 1000,
+                f" prompts={len(self.members)}" if self.members else "",
                 f" error={log_safe(self.error)}" if self.error else "",
             )

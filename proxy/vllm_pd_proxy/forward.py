@@ -5,8 +5,10 @@ shared ClientSession; ``POST /v1/completions`` and ``/v1/chat/completions``
 call :meth:`Forwarder.handle` once per client request. Flow:
 
 1. read the body under the memory caps (413/503, :mod:`vllm_pd_proxy.body`),
-   parse it (400 on bad JSON or ``n``/``best_of`` > 1), estimate prompt
-   tokens;
+   parse it (400 on bad JSON or an ``n`` that D would refuse), estimate
+   prompt tokens; a batch of prompts (``"prompt": [p0, p1, ...]``,
+   :mod:`vllm_pd_proxy.batch`) goes to :mod:`vllm_pd_proxy.batch_flow`,
+   which serves each prompt through steps 3 to 5 and merges the answers;
 2. multi-turn (``--multi-turn``): the conversation's last turn and its D
    (:mod:`vllm_pd_proxy.affinity`);
 3. decide (:mod:`vllm_pd_proxy.decision`): ``local`` (conditional
@@ -39,9 +41,11 @@ from . import errors
 from .admission import PrefillGate
 from .affinity import Affinity
 from .backends import Backend, Pool
-from .body import BodyBudget, parse_body, read_body, reject_unsupported
+from .batch import split_prompts
+from .batch_flow import Member, run_batch
+from .body import BodyBudget, num_choices, parse_body, read_body
 from .config import ProxyConfig, TransferMode
-from .context import RequestContext, sanitize_request_id
+from .context import RequestContext, member_request_id, sanitize_request_id
 from .conversations import Turn, conversation_key
 from .decision import ALWAYS_REMOTE, Decision, decide
 from .errors import Outcome
@@ -51,6 +55,7 @@ from .metrics import Metrics
 from .prompt import inspect_prompt
 from .pull import run_pull
 from .push import run_push
+from .relay import ClientSink, StreamSink
 from .telemetry import LegMarks, SpanExporter
 from .upstream import Upstream
 
@@ -81,6 +86,8 @@ class Forwarder:
         self._bodies = BodyBudget(config.max_total_body_bytes)
         self._up = Upstream(config, prefill, decode, session, monitor, metrics, gate)
         self._affinity = Affinity(config, decode, metrics)
+        # The chunk keys only matter to conditional disaggregation.
+        self._chunks = config.prefix_chunk_tokens if config.local_prefill_threshold else None
 
     async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
@@ -95,17 +102,22 @@ class Forwarder:
             raw = await read_body(request, held, self._config.max_request_bytes)
             body = parse_body(raw)
             del raw  # the parsed body replaces it; do not keep both alive
-            reject_unsupported(body)
+            n = num_choices(body)
             ctx.stream = bool(body.get("stream"))
-            # The chunk keys only matter to conditional disaggregation.
-            config = self._config
-            chunks = config.prefix_chunk_tokens if config.local_prefill_threshold else None
-            ctx.tokens, ctx.chunk_keys = inspect_prompt(body, chat, chunks)
+            # The proxy owns kv_transfer_params: a client's own would corrupt the
+            # handshake (or make a local-prefill request wait for a remote KV).
+            body.pop("kv_transfer_params", None)
             headers = {"Content-Type": "application/json", "X-Request-Id": rid}
             auth = request.headers.get("Authorization")
             if auth:
                 headers["Authorization"] = auth
-            out = await self._route(request, ctx, body, headers)
+            prompts = None if chat else split_prompts(body, self._config.max_batch_prompts)
+            if prompts is not None:
+                out = await run_batch(self.serve, request, ctx,
+                                      self._members(ctx, body, prompts, headers), n)
+            else:
+                ctx.tokens, ctx.chunk_keys = inspect_prompt(body, chat, self._chunks)
+                out = await self._route(request, ctx, body, headers, n)
             if ctx.outcome != Outcome.CANCELLED:
                 ctx.status = out.status
             return out
@@ -132,18 +144,43 @@ class Forwarder:
             held.release()
             ctx.finish(loop.time(), self._metrics)
             if self._spans is not None and ctx.marks is not None:
-                self._export_spans(ctx, loop.time())
+                # A batch: one trace per prompt (each is a handoff of its own).
+                for one in ctx.members or (ctx,):
+                    self._export_spans(one, ctx, loop.time())
 
-    def _export_spans(self, ctx: RequestContext, now: float) -> None:
-        assert self._spans is not None and ctx.marks is not None
-        ctx.marks.mode = ctx.mode
+    def _export_spans(self, one: RequestContext, ctx: RequestContext, now: float) -> None:
+        """Export the spans of ``one`` (``ctx`` or a member of it)."""
+        assert self._spans is not None
+        if one.marks is None:
+            return
+        one.marks.mode = one.mode
         try:
-            self._spans.export(ctx.request_id, ctx.marks, now, {
-                "status": ctx.status, "outcome": ctx.outcome, "retries": ctx.retries,
-                "prefill": ctx.prefill.url if ctx.prefill else None,
-                "decode": ctx.decode.url if ctx.decode else None})
+            self._spans.export(one.request_id, one.marks, now, {
+                "status": ctx.status, "outcome": ctx.outcome, "retries": one.retries,
+                "prefill": one.prefill.url if one.prefill else None,
+                "decode": one.decode.url if one.decode else None})
         except Exception:  # telemetry must never fail a request
-            logger.exception("request %s: exporting its spans failed", ctx.request_id)
+            logger.exception("request %s: exporting its spans failed", one.request_id)
+
+    def _members(self, ctx: RequestContext, body: dict[str, Any], prompts: list[Any],
+                 headers: dict[str, str]) -> list[Member]:
+        """One request per prompt of a batch: its own id, body and estimates.
+
+        Multi-turn does not apply (a batch is no turn of one conversation),
+        so its ``conversation_id`` is taken out as a turn's would be.
+        """
+        if self._config.multi_turn:
+            body.pop("conversation_id", None)
+        members = []
+        for i, prompt in enumerate(prompts):
+            one = {**body, "prompt": prompt}
+            m_ctx = RequestContext(member_request_id(ctx.request_id, i), ctx.endpoint,
+                                   ctx.started, stream=ctx.stream)
+            if ctx.marks is not None:
+                m_ctx.marks = LegMarks(ctx.started, in_answer=ctx.marks.in_answer)
+            m_ctx.tokens, m_ctx.chunk_keys = inspect_prompt(one, False, self._chunks)
+            members.append(Member(m_ctx, one, {**headers, "X-Request-Id": m_ctx.request_id}))
+        return members
 
     async def _route(
         self,
@@ -151,26 +188,38 @@ class Forwarder:
         ctx: RequestContext,
         body: dict[str, Any],
         headers: dict[str, str],
+        n: int,
     ) -> web.StreamResponse:
-        # The proxy owns kv_transfer_params: a client's own would corrupt the
-        # handshake (or make a local-prefill request wait for a remote KV).
-        body.pop("kv_transfer_params", None)
         key = turn = None
         if self._config.multi_turn:
             key = conversation_key(request.headers, body, ctx.chat, self._config.session_header)
-            ctx.capture_kv = key is not None
+            # Only one answer can be the conversation's next turn: with n > 1
+            # D keeps nothing (the history is still read back, if kept).
+            ctx.capture_kv = key is not None and n == 1
             turn = self._affinity.take_turn(key) if key is not None else None
-        affine = self._affinity.affine_decode(turn) if turn is not None else None
-        decision, decode, prefix = self._decide(ctx, affine, turn is not None)
-        self._metrics.decisions.labels(decision.label, decision.reason).inc()
         try:
-            return await self._run_flow(
-                request, ctx, body, headers, decision.is_local, decode, prefix, turn)
+            return await self.serve(ClientSink(request), ctx, body, headers, turn)
         finally:
             # Also when the client went away after the stream's last chunk
             # (the handler is cancelled then).
             if key is not None:
                 self._affinity.file_turn(ctx, key)
+
+    async def serve(
+        self,
+        sink: StreamSink,
+        ctx: RequestContext,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        turn: Turn | None = None,
+    ) -> web.StreamResponse:
+        """One prompt: decide where it is prefilled, run that flow; a streamed
+        answer goes into ``sink`` (the client, or a batch's merged stream)."""
+        affine = self._affinity.affine_decode(turn) if turn is not None else None
+        decision, decode, prefix = self._decide(ctx, affine, turn is not None)
+        self._metrics.decisions.labels(decision.label, decision.reason).inc()
+        return await self._run_flow(
+            sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
 
     def _decide(
         self, ctx: RequestContext, affine: Backend | None, has_turn: bool
@@ -201,7 +250,7 @@ class Forwarder:
 
     async def _run_flow(
         self,
-        request: web.Request,
+        sink: StreamSink,
         ctx: RequestContext,
         body: dict[str, Any],
         headers: dict[str, str],
@@ -216,11 +265,11 @@ class Forwarder:
             up = self._up
             keep = up.sign({"pd_bidirectional": True}, ctx, body) if ctx.capture_kv else None
             return await up.decode_leg(
-                request, ctx, decode, _encode(decode_body(body, keep)), headers, prefix)
+                sink, ctx, decode, _encode(decode_body(body, keep)), headers, prefix)
         if self._push:
             ctx.mode = "push"
             return await run_push(
-                self._up, self._affinity, request, ctx, body, headers, decode, prefix, turn)
+                self._up, self._affinity, sink, ctx, body, headers, decode, prefix, turn)
         ctx.mode = "pull"
         return await run_pull(
-            self._up, self._affinity, request, ctx, body, headers, decode, prefix, turn)
+            self._up, self._affinity, sink, ctx, body, headers, decode, prefix, turn)

@@ -23,12 +23,13 @@ from vllm_pd_ext.wire.protocol import TransferMode
 
 from .backends import PrefillIdentity
 
-# Sampling fields P must not see: it only prefills and emits one token.
-_P_LEG_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+# Sampling fields P must not see: it only prefills and emits one token, once.
+# n and best_of: D samples the n children from the one KV P hands over.
+_P_LEG_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: the client body cut down to a one-token, non-streaming prefill."""
+    """The P leg: the client body cut down to one non-streaming prefill, one token."""
     leg = {k: v for k, v in body.items() if k not in _P_LEG_DROPPED}
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:

@@ -32,6 +32,7 @@ from .backends import Backend
 from .context import RequestContext, log_safe
 from .conversations import Turn
 from .legs import decode_body, prefill_body, pull_prefill_params
+from .relay import StreamSink
 from .upstream import Upstream
 
 # The logger of the request path (docs/proxy.md names it; log lines unchanged).
@@ -43,7 +44,7 @@ _encode = msgspec.json.encode
 async def run_pull(
     up: Upstream,
     affinity: Affinity,
-    request: web.Request,
+    sink: StreamSink,
     ctx: RequestContext,
     body: dict[str, Any],
     headers: dict[str, str],
@@ -83,7 +84,7 @@ async def run_pull(
     tried: list[Backend] = []
     while True:
         try:
-            return await up.decode_leg(request, ctx, decode, d_body, headers, prefix,
+            return await up.decode_leg(sink, ctx, decode, d_body, headers, prefix,
                                        exclude=tried)
         except errors.ProxyError as exc:
             # Any D can take P's lease, and a D that refused the leg unrun

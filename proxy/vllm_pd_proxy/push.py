@@ -40,6 +40,7 @@ from .conversations import Turn
 from .errors import Outcome
 from .health import ProbeError
 from .legs import decode_body, prefill_body, push_decode_params, push_prefill_params
+from .relay import StreamSink
 from .upstream import Upstream
 
 # The logger of the request path (docs/proxy.md names it; log lines unchanged).
@@ -54,7 +55,7 @@ _D_FAILURES = frozenset({Outcome.UPSTREAM_5XX, Outcome.UPSTREAM_UNREACHABLE, Out
 async def run_push(
     up: Upstream,
     affinity: Affinity,
-    request: web.Request,
+    sink: StreamSink,
     ctx: RequestContext,
     body: dict[str, Any],
     headers: dict[str, str],
@@ -74,7 +75,7 @@ async def run_push(
         slot, identity = await _pick_prefill(up, ctx, tried_p)
         try:
             return await _run_legs(
-                up, affinity, request, ctx, body, headers, decode, prefix, slot, identity,
+                up, affinity, sink, ctx, body, headers, decode, prefix, slot, identity,
                 tried_d, turn
             )
         except errors.ProxyError as exc:
@@ -96,7 +97,7 @@ async def run_push(
 async def _run_legs(
     up: Upstream,
     affinity: Affinity,
-    request: web.Request,
+    sink: StreamSink,
     ctx: RequestContext,
     body: dict[str, Any],
     headers: dict[str, str],
@@ -124,7 +125,7 @@ async def _run_legs(
     p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
     answered = False
     try:
-        out = await up.decode_leg(request, ctx, decode, d_body, headers, prefix, p_task)
+        out = await up.decode_leg(sink, ctx, decode, d_body, headers, prefix, p_task)
         answered = True
         return out
     except errors.ProxyError as exc:

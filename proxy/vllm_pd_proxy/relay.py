@@ -4,7 +4,11 @@ Role: :func:`open_decode` sends the D leg and waits until its status is known
 and the first complete piece of the answer has arrived (the whole body when
 not streaming), all under ``--decode-timeout``; nothing has reached the
 client yet, so any failure can still become a proper HTTP error status.
-:func:`relay_stream` then sends the headers and relays SSE events in order.
+:func:`relay_stream` then relays the SSE events, in order, into a
+:class:`StreamSink`: :class:`ClientSink` sends the headers and the events to
+the client as they are (every request but a batched one), a batch member's
+sink (:mod:`vllm_pd_proxy.batch_flow`) re-indexes them into the batch's
+merged stream.
 
 SSE relaying is event-aligned: bytes are forwarded up to the last complete
 event (``\\n\\n``) and a partial event is held back, so when the backend dies
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -194,9 +198,9 @@ def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response
     )
 
 
-def _take_kv(ctx: RequestContext, events: bytes) -> bytes:
-    """Multi-turn: D's kv_transfer_params out of complete SSE events;
-    telemetry: ``pd_telemetry`` into the finishing one."""
+def client_events(ctx: RequestContext, events: bytes) -> bytes:
+    """Complete SSE events as the client gets them: multi-turn takes D's
+    kv_transfer_params out; telemetry puts ``pd_telemetry`` into the finishing one."""
     if ctx.marks is not None:
         events = annotate(events, True, ctx.marks, ctx.request_id, keep_kv=ctx.capture_kv)
     if not ctx.capture_kv:
@@ -207,28 +211,74 @@ def _take_kv(ctx: RequestContext, events: bytes) -> bytes:
     return events
 
 
+class StreamSink(Protocol):
+    """Where :func:`relay_stream` puts one D stream.
+
+    Called in this order, from the D leg's task: :meth:`start` once (D's
+    answer is 2xx and its first events are in hand), :meth:`write` for each
+    run of complete events (the first ones included), :meth:`end` once
+    unless the client went away (``ConnectionResetError`` from any of them).
+    ``response`` is the client's response, valid once :meth:`start` was called.
+    """
+
+    @property
+    def response(self) -> web.StreamResponse | None: ...
+
+    async def start(self, ctx: RequestContext, opened: OpenedDecode) -> None: ...
+
+    async def write(self, ctx: RequestContext, events: bytes) -> None: ...
+
+    async def end(self, error: errors.ProxyError | None) -> None: ...
+
+
+class ClientSink:
+    """A D stream straight to the client: D's status and content type, its
+    events as they come (:func:`client_events`), the proxy's error event
+    after a mid-stream failure."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def start(self, ctx: RequestContext, opened: OpenedDecode) -> None:
+        headers = _client_headers(ctx, opened.resp)
+        headers["Cache-Control"] = "no-cache"
+        self.response = web.StreamResponse(status=opened.resp.status, headers=headers)
+        await self.response.prepare(self._request)
+
+    async def write(self, ctx: RequestContext, events: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(client_events(ctx, events))
+
+    async def end(self, error: errors.ProxyError | None) -> None:
+        assert self.response is not None
+        if error is not None:
+            await self.response.write(error.sse_event())
+        await self.response.write_eof()
+
+
 async def relay_stream(
-    request: web.Request,
+    sink: StreamSink,
     ctx: RequestContext,
     backend: Backend,
     opened: OpenedDecode,
     idle_timeout: float,
     max_event_bytes: int,
 ) -> tuple[web.StreamResponse, errors.ProxyError | None]:
-    """Relay an opened SSE answer; returns the response and a mid-stream error.
+    """Relay an opened SSE answer into ``sink``; returns the client's response
+    and a mid-stream error.
 
     A client disconnect shows up as CancelledError (handler cancellation) or,
     while writing, ConnectionResetError, recorded as outcome "cancelled".
     """
     resp = opened.resp
-    headers = _client_headers(ctx, resp)
-    headers["Cache-Control"] = "no-cache"
-    out = web.StreamResponse(status=resp.status, headers=headers)
     error: errors.ProxyError | None = None
     try:
-        await out.prepare(request)
+        await sink.start(ctx, opened)
         if opened.first:
-            await out.write(_take_kv(ctx, opened.first))
+            await sink.write(ctx, opened.first)
         ctx.ttft = asyncio.get_running_loop().time() - ctx.started
         pending, eof = opened.pending, opened.eof
         while not eof:
@@ -245,12 +295,11 @@ async def relay_stream(
                 error = errors.upstream_timeout("decode", backend, idle_timeout, "the next chunk")
                 break
             if events:
-                await out.write(_take_kv(ctx, events))
-        if error is not None:
-            await out.write(error.sse_event())
-        await out.write_eof()
+                await sink.write(ctx, events)
+        await sink.end(error)
     except ConnectionResetError:
         # The client went away while we were writing; the caller closes the
         # upstream response, which aborts the request on the engine.
         ctx.status, ctx.outcome = 499, errors.Outcome.CANCELLED
-    return out, error
+    assert sink.response is not None  # made before anything could reset
+    return sink.response, error

@@ -13,7 +13,8 @@ flow, a D leg alone) call it per request, on the event loop only. Each leg:
 2. turns every failure into a :class:`~vllm_pd_proxy.errors.ProxyError`
    and tells the health monitor about the engine (a check soon, or
    ``draining`` at once);
-3. a D leg relays D's answer to the client (:mod:`vllm_pd_proxy.relay`) and
+3. a D leg relays D's answer to the client, or into a batch's merged
+   answer (:mod:`vllm_pd_proxy.relay`), and
    closes D's response whatever happens, which makes the engine abort a
    request the client no longer wants.
 """
@@ -40,6 +41,7 @@ from .health import HealthMonitor
 from .metrics import Metrics
 from .relay import (
     OpenedDecode,
+    StreamSink,
     complete_response,
     open_decode,
     open_decode_guarded,
@@ -176,7 +178,7 @@ class Upstream:
 
     async def decode_leg(
         self,
-        request: web.Request,
+        sink: StreamSink,
         ctx: RequestContext,
         decode: Backend | None,
         body: bytes,
@@ -186,6 +188,9 @@ class Upstream:
         exclude: list[Backend] | None = None,
     ) -> web.StreamResponse:
         """Run the D leg and relay it; ``guard`` is a concurrent push P leg.
+
+        A non-streamed answer is returned as a response; a stream goes into
+        ``sink`` (:class:`~vllm_pd_proxy.relay.ClientSink`: to the client).
 
         ``decode``: the D chosen beforehand (None: one is picked now, not in
         ``exclude``); ``prefix``: the prompt's chunk keys, remembered as
@@ -227,7 +232,7 @@ class Upstream:
                 ctx.ttft = loop.time() - ctx.started
                 return complete_response(ctx, opened)
             out, error = await relay_stream(
-                request, ctx, decode, opened, config.stream_idle_timeout, max_event
+                sink, ctx, decode, opened, config.stream_idle_timeout, max_event
             )
             if error is not None:
                 ctx.outcome, ctx.error = Outcome.STREAM_ERROR, error.message

@@ -256,3 +256,104 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------ a vLLM-like engine
+#: ``created`` of every vllm_like answer (vLLM's is the time in seconds).
+CREATED = 1700000000
+
+
+def _compact_sse(obj: dict[str, Any]) -> bytes:
+    """An event as vLLM writes it (compact JSON)."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def is_batch(prompt: Any) -> bool:
+    """vLLM's rule: a list of two or more strings or token-id lists."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+
+
+def _tokens(prompt: Any, choice: int, max_tokens: int) -> list[str]:
+    """The fake's output for one prompt and choice: names both."""
+    label = prompt if isinstance(prompt, str) else f"ids{prompt[0]}"
+    return [label, f"#{choice}", "."][:max_tokens]
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    return len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+
+
+async def vllm_like(engine: FakeEngine, request: web.Request, body: dict[str, Any]
+                    ) -> web.StreamResponse:
+    """An ``override`` answering /v1/completions as vLLM's server does, by the
+    rules of ``vllm/entrypoints/openai/completion/serving.py``: every prompt
+    of a batch, ``n`` choices each (index = prompt * n + choice), usage summed
+    (``prompt_tokens_details``: the last prompt's, or the first's in a
+    stream), streams with ``include_usage`` / ``continuous_usage_stats``,
+    ``echo``. Fake tokens name the prompt and the choice. A P/D leg with a
+    batch fails with 500 (vLLM hands over only prompt 0's KV). A prefill
+    engine adds its ``kv_params`` to the answer, as a KV producer does."""
+    if engine.delay:
+        await asyncio.sleep(engine.delay)
+    prompt = body.get("prompt")
+    prompts = prompt if is_batch(prompt) else [prompt]
+    if len(prompts) > 1 and body.get("kv_transfer_params"):
+        return web.json_response({"error": {"message": "Internal server error", "code": 500}},
+                                 status=500)
+    n = body.get("n") or 1
+    max_tokens = body.get("max_tokens") or 16
+    rid = request.headers.get("X-Request-Id", "x")
+    head = {"id": f"cmpl-{rid}", "object": "text_completion", "created": CREATED,
+            "model": body.get("model") or engine.model}
+    outputs = [[_tokens(p, c, max_tokens) for c in range(n)] for p in prompts]
+    prompt_tokens = [_prompt_tokens(p) for p in prompts]
+    cached = [t // 2 for t in prompt_tokens]  # differs between prompts of other lengths
+    completion_tokens = sum(len(t) for per_prompt in outputs for t in per_prompt)
+
+    def usage(details_from: int) -> dict[str, Any]:
+        return {"prompt_tokens": sum(prompt_tokens),
+                "total_tokens": sum(prompt_tokens) + completion_tokens,
+                "completion_tokens": completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached[details_from]}}
+
+    echo = bool(body.get("echo"))
+    if not body.get("stream"):
+        choices = []
+        for p, per_prompt in zip(prompts, outputs, strict=True):
+            for tokens in per_prompt:
+                text = (p if echo and isinstance(p, str) else "") + "".join(tokens)
+                choices.append({"index": len(choices), "text": text, "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None,
+                                "prompt_logprobs": None})
+        answer = {**head, "choices": choices, "usage": {**usage(-1),
+                  "completion_tokens_details": None}, "system_fingerprint": None,
+                  "kv_transfer_params": engine.kv_params if engine.role == "prefill" else None}
+        return web.json_response(answer)
+    options = body.get("stream_options") or {}
+    continuous = options.get("include_usage") and options.get("continuous_usage_stats")
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await out.prepare(request)
+    for step in range(max(len(t) for per_prompt in outputs for t in per_prompt)):
+        for i, per_prompt in enumerate(outputs):
+            for c, tokens in enumerate(per_prompt):
+                if step >= len(tokens):
+                    continue
+                if engine.chunk_delay:
+                    await asyncio.sleep(engine.chunk_delay)
+                text = tokens[step]
+                if echo and step == 0 and isinstance(prompts[i], str):
+                    text = prompts[i] + text
+                last = step == len(tokens) - 1
+                one = {**head, "choices": [{"index": i * n + c, "text": text, "logprobs": None,
+                                            "finish_reason": "length" if last else None,
+                                            "stop_reason": None}]}
+                if continuous:
+                    one["usage"] = {"prompt_tokens": prompt_tokens[i],
+                                    "completion_tokens": step + 1,
+                                    "total_tokens": prompt_tokens[i] + step + 1}
+                await out.write(_compact_sse(one))
+    if options.get("include_usage"):
+        await out.write(_compact_sse({**head, "choices": [], "usage": usage(0)}))
+    await out.write(b"data: [DONE]\n\n")
+    await out.write_eof()
+    return out

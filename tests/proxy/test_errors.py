@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from aiohttp import web
 from pdproxy_helpers import chunk, parse_sse, sse, wait_for
 
@@ -212,31 +211,3 @@ async def test_prefill_disconnect_after_request_is_not_retried(engines, proxy):
     message = (await resp.json())["error"]["message"]
     assert bad.url in message and "not retried" in message
     assert len(bad.legs()) == 1 and good.legs() == [] and d.legs() == []
-
-
-_FAN_OUT_CASES = [
-    ("/v1/completions", "n", {}),
-    ("/v1/completions", "best_of", {}),
-    ("/v1/chat/completions", "n", {}),
-    ("/v1/completions", "n", {"transfer_mode": "push"}),
-    ("/v1/completions", "n", {"local_prefill_threshold": 1000}),  # would go local
-]
-
-
-@pytest.mark.parametrize(("path", "param", "config"), _FAN_OUT_CASES)
-async def test_fan_out_parameters_refused_before_any_leg(engines, proxy, path, param, config):
-    p, d = await engines("prefill"), await engines("decode")
-    client = await proxy([p], [d], **config)
-    if path.endswith("/chat/completions"):
-        body: dict = {"messages": [{"role": "user", "content": "hi"}]}
-    else:
-        body = {"prompt": "hi"}
-    resp = await client.post(path, json={**body, param: 2})
-    assert resp.status == 400
-    err = (await resp.json())["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] == 400
-    assert err["param"] == param
-    assert f"{param}=2 is not supported" in err["message"]
-    assert p.legs() == [] and d.legs() == []
-    # One sample per request is what P/D serves.
-    assert (await client.post(path, json={**body, param: 1})).status == 200
