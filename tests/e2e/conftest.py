@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conformance import SERVE_ARGS
 from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import build_model, log_dir
 from vllm_pd_ext.testing.engines import Engine
@@ -37,7 +38,8 @@ E2E_DIR = Path(__file__).parent
 #: Session-set modules first, then those with sets of their own, then the
 #: two that must come last (see the module docstring). Unlisted: before these.
 E2E_ORDER = [
-    "test_pull.py", "test_proxy_e2e.py", "test_oracle.py", "test_concurrency.py",
+    "test_pull.py", "test_proxy_e2e.py", "test_conformance.py", "test_d_variants.py",
+    "test_oracle.py", "test_concurrency.py",
     "test_sizing_e2e.py", "test_slo_bench_e2e.py",
     "test_auth_e2e.py", "test_failures.py", "test_intree_nixl.py", "test_push.py",
     "test_multiturn.py", "test_multihost.py",
@@ -72,12 +74,14 @@ def model() -> str:
 def engines(model: str) -> Iterator[dict[str, Engine]]:
     logs = log_dir("session")
     engs = {
-        "ref": Engine("ref", model, logs, connector=None, cpu_bind="0"),
-        "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0"),
+        # SERVE_ARGS: what the request-parity cases need (test_conformance.py).
+        "ref": Engine("ref", model, logs, connector=None, cpu_bind="0", extra_args=SERVE_ARGS),
+        "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0", extra_args=SERVE_ARGS),
         # transfer_telemetry_in_response: D's answers carry its transfer record
         # (tests/e2e/test_proxy_e2e.py::test_transfer_telemetry_through_proxy).
         # drain_timeout bounds test_drain.py's drain of this D.
         "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
+                    extra_args=SERVE_ARGS,
                     extra_config={"transfer_telemetry_in_response": True,
                                   "drain_timeout": 60.0}),
     }

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from tests.e2e.concurrency import check_concurrent_load
+from tests.e2e.conformance import CASES as PARITY_CASES
+from tests.e2e.conformance import SERVE_ARGS, Case, check_case
 from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     BLOCK_SIZE,
@@ -57,10 +59,10 @@ D_DEADLINE_S = D_PUSH_TIMEOUT_S + D_SIDE_CHANNEL_TIMEOUT_S
 def push(model: str) -> Iterator[dict[str, Any]]:
     logs = log_dir("push")
     engs = {
-        "p": Engine("p-push", model, logs, role="kv_producer", cpu_bind="0",
+        "p": Engine("p-push", model, logs, role="kv_producer", cpu_bind="0", extra_args=SERVE_ARGS,
                     extra_config={"transfer_mode": "push", "lease_duration": P_LEASE_S}),
         "d": Engine("d-push", model, logs, role="kv_consumer", cpu_bind="1",
-                    failure_policy="fail",
+                    failure_policy="fail", extra_args=SERVE_ARGS,
                     extra_config={"transfer_mode": "push", "push_timeout": D_PUSH_TIMEOUT_S,
                                   "handshake_timeout": D_SIDE_CHANNEL_TIMEOUT_S,
                                   "transfer_timeout": D_TRANSFER_TIMEOUT_S}),
@@ -471,3 +473,11 @@ def test_concurrent_clients_get_collocated_outputs_and_kv_moves_push(
         ref: Engine, push: dict[str, Any], model: str) -> None:
     """Issue 10's load in push mode (tests/e2e/concurrency.py)."""
     check_concurrent_load("push", push["p"], push["d"], push["proxy"], ref, model)
+
+
+@pytest.mark.parametrize("case", PARITY_CASES, ids=[c.name for c in PARITY_CASES])
+def test_same_as_collocated_push(case: Case, ref: Engine, push: dict[str, Any],
+                                 model: str) -> None:
+    """Issue 24 item 6: the request-parity cases (``conformance.py``) in push
+    mode; the no-block-held check runs after every test of this module."""
+    print(check_case(case, ref, push["proxy"].url, push["d"], model))

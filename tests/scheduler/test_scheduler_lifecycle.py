@@ -541,12 +541,13 @@ def test_d_child_aborted_while_waiting_for_its_leader_leaves_nothing(make_schedu
     assert_empty_after_step(sched)
 
 
-def test_d_second_live_request_on_one_p_lease_is_refused(make_scheduler, fake_p):
-    """Items 6 and 7: the same P answer used by two live requests for a
-    prompt it was not made for (no digest to prove it is the same prompt,
-    e.g. a replayed D leg): the first loads, the second fails its load with
-    an error naming the other request; once the first ended, the lease is
-    free to be named again (P then says whether it still exists)."""
+def test_d_second_live_request_on_one_p_lease_never_reads_it(make_scheduler, fake_p):
+    """Items 6 and 7 (issue 24: no longer a failure): the same P answer on a
+    second live request for another prompt (a replayed D leg): the first
+    loads; the second never reads P, waits for that load, then computes its
+    own prompt whole (the prefix cache is keyed by tokens: nothing of the
+    first's KV matches). Once the first ended, the lease is free to be named
+    again (P then says whether it still exists)."""
     port, _ = fake_p
     sched = make_scheduler(policy="fail")
     params = remote_params(port, 4, num_tokens=100)
@@ -554,14 +555,18 @@ def test_d_second_live_request_on_one_p_lease_is_refused(make_scheduler, fake_p)
     meta = admit_remote(sched, first)
     assert [s.request_id for s in meta.reqs_to_recv] == [first.request_id]
     replay = create_request(100, kv_transfer_params=dict(params))
-    meta = admit_remote(sched, replay)
-    assert meta.reqs_to_recv == []
-    reason, why = meta.reqs_to_fail[replay.request_id]
-    assert reason == "bad_params" and first.request_id in why and "already using" in why, why
-    step(sched, finished_recving={first.request_id, replay.request_id},
-         failed_recving={replay.request_id})
-    assert replay.status is RequestStatus.FINISHED_ERROR
+    assert replay.prompt_token_ids != first.prompt_token_ids
+    sched.add_request(replay)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.reqs_to_recv == []
+    assert out.kv_connector_metadata.reqs_to_fail == {}
+    assert replay.request_id not in out.num_scheduled_tokens  # waits for the load
+    step(sched, finished_recving={first.request_id})
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens.get(replay.request_id) == 100  # computes it all
     run_until_finished(sched, first)
+    run_until_finished(sched, replay)
+    assert replay.status is RequestStatus.FINISHED_LENGTH_CAPPED
     later = create_request(100, kv_transfer_params=dict(params))
     meta = admit_remote(sched, later)
     assert [s.request_id for s in meta.reqs_to_recv] == [later.request_id]
@@ -573,7 +578,9 @@ def test_d_second_live_request_on_one_p_lease_is_refused(make_scheduler, fake_p)
 def test_d_lease_claim_of_an_aborted_load_ends_when_the_worker_reports_it(make_scheduler,
                                                                           fake_p):
     """A request aborted while its load is in flight keeps its claim on the
-    lease (and its record) until the workers report the load."""
+    lease (and its record) until the workers report the load; a request
+    naming that lease meanwhile never reads it (the blocks may be freed):
+    it computes its prompt itself at once."""
     port, _ = fake_p
     sched = make_scheduler(policy="fail")
     params = remote_params(port, 4, num_tokens=100)
@@ -581,10 +588,11 @@ def test_d_lease_claim_of_an_aborted_load_ends_when_the_worker_reports_it(make_s
     admit_remote(sched, req)
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
     replay = create_request(100, kv_transfer_params=dict(params))
-    meta = admit_remote(sched, replay)
-    assert replay.request_id in meta.reqs_to_fail
-    step(sched, finished_recving={req.request_id, replay.request_id},
-         failed_recving={replay.request_id})
+    sched.add_request(replay)
+    out, _ = step(sched, finished_recving={req.request_id})
+    assert out.kv_connector_metadata.reqs_to_recv == []
+    assert out.num_scheduled_tokens.get(replay.request_id) == 100
+    run_until_finished(sched, replay)
     assert len(pd(sched).d) == 0 and pd(sched).d.lease_users == {}
     assert_empty_after_step(sched)
 

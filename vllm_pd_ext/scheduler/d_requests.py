@@ -7,13 +7,13 @@ for every ``Leg.D_LOAD`` request. Lifecycle of one request (its
 1. ``arrive`` (``on_new_request``): the params were decoded once
    (``legs.decode_leg``); here they are checked against this engine (prompt
    digest, transfer mode, TP size, a P lease another live request already
-   uses for another prompt). A refused request keeps a record without
+   uses, for a rejection notice). A refused request keeps a record without
    params: its load fails with ``bad_params``. Otherwise heartbeats to P
-   start at once. [WAITING] A request naming a lease another request uses
-   for the same prompt (the ``n`` > 1 children vLLM makes of one client
-   request) follows that leader: it waits, loads nothing, and once the
-   leader's load is over it leaves this book and computes the rest (less
-   than a block) over the prefix cache the load filled.
+   start at once. [WAITING] A request naming a lease another live request
+   uses (the ``n`` > 1 children vLLM makes of one client request) follows
+   that leader: it waits, loads nothing, and once the leader's load is over
+   it leaves this book and computes what the prefix cache lacks (for a
+   sibling, less than a block: the load filled the cache).
 2. ``matched_tokens`` (``get_num_new_matched_tokens``): every prompt token
    D does not hold is loaded asynchronously.
 3. ``allocate`` (``update_state_after_alloc``): the mode's consumer
@@ -155,19 +155,21 @@ class DRequests:
         key = lease_key(params)
         lease = (str(params.remote_engine_id), key)
         user = self.lease_users.get(lease)
+        if user is not None and user != rid and not compat.is_rejection_notice(request):
+            # A second live request on one lease: the ``n``/``best_of``
+            # children vLLM fans out of one request share their parent's
+            # params (push params carry no digest: the proxy made them). One
+            # load feeds them all: this one never reads P, it waits for that
+            # load and then computes what D's prefix cache lacks, which is
+            # less than a block for a sibling (the cache is keyed by tokens:
+            # another prompt, say a replayed answer, simply computes itself).
+            self._reqs[rid] = DRequest(params, leader=user)
+            logger.info("PDConnector: request %s shares the KV load of request %s "
+                        "(remote prefill %s): it waits for that load", rid, user, key)
+            return
         if user is not None and user != rid:
-            if digest and not compat.is_rejection_notice(request):
-                # The same prompt (its digest checked above) on the same lease:
-                # a sibling of ``n``/``best_of``, which vLLM fans out into
-                # child requests sharing the parent's params. One load feeds
-                # them all: this one waits for it, then hits the prefix cache.
-                self._reqs[rid] = DRequest(params, leader=user)
-                logger.info("PDConnector: request %s shares the KV load of request %s "
-                            "(remote prefill %s): it waits for that load", rid, user, key)
-                return
             self._refuse(rid, f"kv_transfer_params name P lease {key} of engine {lease[0]}, "
-                         f"which request {user} on this engine is already using for another "
-                         "prompt (a replayed P answer?): one prefill's KV feeds one prompt")
+                         f"which request {user} on this engine is already using")
             return
         self.lease_users[lease] = rid
         self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic())
