@@ -9,8 +9,8 @@ builds the :class:`~vllm_pd_proxy.health.HealthMonitor` and
 loop; on shutdown it stops the loop and closes the session. All state hangs
 off the application under ``web.AppKey`` keys; the module holds none.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /metrics.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses,
+GET /v1/models, GET /health, GET /metrics.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def create_app(
     app.cleanup_ctx.append(_upstream_ctx)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/responses", _responses)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -110,6 +111,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[FORWARDER].handle(request, chat=True)
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, chat=True, responses=True)
 
 
 async def _models(request: web.Request) -> web.StreamResponse:

@@ -135,3 +135,23 @@ def num_choices(body: dict[str, Any]) -> int:
         raise errors.bad_request(f"n must be 1 when using greedy sampling, got {n}.",
                                  param="n")
     return n
+
+
+# Responses API fields that need one engine to hold state across requests.
+_RESPONSES_STATEFUL = {
+    "previous_response_id": "a stored response lives on the one engine that generated it "
+                            "(vLLM's VLLM_ENABLE_RESPONSES_API_STORE), and no engine here "
+                            "generated it whole; send the conversation in `input` instead",
+    "background": "a background response is polled later on the engine that runs it, "
+                  "which the proxy does not route to; send it without `background`",
+}
+
+
+def check_responses(body: dict[str, Any]) -> None:
+    """400 naming the field for a Responses API request P/D cannot serve:
+    one that refers to, or leaves, state on one engine. Before any leg."""
+    for name, why in _RESPONSES_STATEFUL.items():
+        value = body.get(name)
+        if value is not None and value is not False:
+            raise errors.bad_request(
+                f"{name} is not supported through the P/D proxy: {why}", param=name)

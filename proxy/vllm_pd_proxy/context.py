@@ -69,6 +69,8 @@ class RequestContext:
     endpoint: str
     started: float
     chat: bool = False
+    #: A Responses API request (``/v1/responses``): its P leg differs.
+    responses: bool = False
     stream: bool = False
     tokens: int = 0
     # With --local-prefill-threshold: tokens minus what the chosen D probably

@@ -1,8 +1,10 @@
 """Request orchestration: parse, decide local vs P/D, run the flow, answer.
 
 Lifecycle: the app's cleanup context builds one :class:`Forwarder` around the
-shared ClientSession; ``POST /v1/completions`` and ``/v1/chat/completions``
-call :meth:`Forwarder.handle` once per client request. Flow:
+shared ClientSession; ``POST /v1/completions``, ``/v1/chat/completions`` and
+``/v1/responses`` call :meth:`Forwarder.handle` once per client request
+(a Responses API request: :func:`~vllm_pd_proxy.body.check_responses`
+first, no batch, no multi-turn). Flow:
 
 1. read the body under the memory caps (413/503, :mod:`vllm_pd_proxy.body`),
    parse it (400 on bad JSON or an ``n`` that D would refuse), estimate
@@ -43,7 +45,7 @@ from .affinity import Affinity
 from .backends import Backend, Pool
 from .batch import split_prompts
 from .batch_flow import Member, run_batch
-from .body import BodyBudget, num_choices, parse_body, read_body
+from .body import BodyBudget, check_responses, num_choices, parse_body, read_body
 from .config import ProxyConfig, TransferMode
 from .context import RequestContext, member_request_id, sanitize_request_id
 from .conversations import Turn, conversation_key
@@ -52,7 +54,7 @@ from .errors import Outcome
 from .health import HealthMonitor
 from .legs import decode_body
 from .metrics import Metrics
-from .prompt import inspect_prompt
+from .prompt import inspect_prompt, responses_as_chat
 from .pull import run_pull
 from .push import run_push
 from .relay import ClientSink, StreamSink
@@ -89,12 +91,15 @@ class Forwarder:
         # The chunk keys only matter to conditional disaggregation.
         self._chunks = config.prefix_chunk_tokens if config.local_prefill_threshold else None
 
-    async def handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def handle(self, request: web.Request, chat: bool, responses: bool = False
+                     ) -> web.StreamResponse:
+        """One client request: ``chat`` for ``/v1/chat/completions`` and
+        ``/v1/responses`` (``responses`` too), else ``/v1/completions``."""
         loop = asyncio.get_running_loop()
         # The one place the client's id enters: everything after (logs, legs,
         # push ids, the response header) sees the sanitized form.
         rid = sanitize_request_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
-        ctx = RequestContext(rid, request.path, loop.time(), chat=chat)
+        ctx = RequestContext(rid, request.path, loop.time(), chat=chat, responses=responses)
         if self._telemetry:
             ctx.marks = LegMarks(ctx.started, in_answer=self._config.transfer_telemetry)
         held = self._bodies.reservation()
@@ -115,6 +120,12 @@ class Forwarder:
             if prompts is not None:
                 out = await run_batch(self.serve, request, ctx,
                                       self._members(ctx, body, prompts, headers), n)
+            elif responses:
+                check_responses(body)
+                ctx.tokens, ctx.chunk_keys = inspect_prompt(
+                    responses_as_chat(body), True, self._chunks)
+                # No multi-turn capture: a response is no turn the proxy can key.
+                out = await self.serve(ClientSink(request), ctx, body, headers)
             else:
                 ctx.tokens, ctx.chunk_keys = inspect_prompt(body, chat, self._chunks)
                 out = await self._route(request, ctx, body, headers, n)

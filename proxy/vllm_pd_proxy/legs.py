@@ -28,12 +28,23 @@ from .backends import PrefillIdentity
 _P_LEG_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: the client body cut down to one non-streaming prefill, one token."""
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], responses: bool = False
+                 ) -> dict[str, Any]:
+    """The P leg: the client body cut down to one non-streaming prefill, one token.
+
+    ``responses``: a Responses API body (``/v1/responses``), whose limit is
+    ``max_output_tokens``; P neither stores its one-token answer nor runs
+    it in the background (both refused for the client's request upstream).
+    """
     leg = {k: v for k, v in body.items() if k not in _P_LEG_DROPPED}
-    leg["max_tokens"] = 1
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
+    if responses:
+        leg["max_output_tokens"] = 1
+        leg["store"] = False
+        leg["background"] = False
+    else:
+        leg["max_tokens"] = 1
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
     leg["stream"] = False
     leg["kv_transfer_params"] = kv_params
     return leg

@@ -25,6 +25,7 @@ def _text_of_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        # Chat parts carry "text"; Responses API parts too ("input_text").
         texts = [p.get("text", "") for p in content if isinstance(p, dict)]
         return "".join(t for t in texts if isinstance(t, str))
     return ""
@@ -56,6 +57,22 @@ def _flatten(body: dict[str, Any], chat: bool) -> str | list[Any]:
         if isinstance(first, list):
             return [t for p in prompt if isinstance(p, list) for t in p]
     return ""
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses API body's prompt as a chat body's ``messages``, for the
+    estimates: ``instructions`` as the system message, then ``input`` (a
+    string, or a list of message items; other items count as nothing)."""
+    messages: list[Any] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list):
+        messages.extend(item for item in given if isinstance(item, dict))
+    return {"messages": messages}
 
 
 def _count(flat: str | list[Any]) -> int:

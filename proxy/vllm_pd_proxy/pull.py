@@ -58,13 +58,14 @@ async def run_pull(
         # whose KV no decode engine can take would be wasted work.
         raise errors.no_backend(up.decode.describe_unavailable())
     leg = affinity.with_readback(pull_prefill_params(), turn)
-    p_body = _encode(prefill_body(body, up.sign(leg, ctx, body)))
+    p_body = _encode(prefill_body(body, up.sign(leg, ctx, body), ctx.responses))
     try:
         answer = await _prefill_with_retry(up, ctx, p_body, headers)
     except errors.ProxyError as exc:
         if not affinity.readback_failed(ctx, exc, turn):
             raise
-        p_body = _encode(prefill_body(body, up.sign(pull_prefill_params(), ctx, body)))
+        p_body = _encode(prefill_body(body, up.sign(pull_prefill_params(), ctx, body),
+                                         ctx.responses))
         answer = await _prefill_with_retry(up, ctx, p_body, headers)
     # Not decoded here: D gets P's params verbatim and decodes them itself
     # (a malformed field is D's 400, naming it); the proxy only needs some.

@@ -116,7 +116,7 @@ async def _run_legs(
     # when clients reuse an X-Request-Id (a duplicate key is refused).
     pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
     p_leg = affinity.with_readback(push_prefill_params(pd_id), turn)
-    p_body = _encode(prefill_body(body, up.sign(p_leg, ctx, body)))
+    p_body = _encode(prefill_body(body, up.sign(p_leg, ctx, body), ctx.responses))
     d_leg = push_decode_params(identity, pd_id)
     if ctx.capture_kv:
         d_leg["pd_bidirectional"] = True

@@ -38,7 +38,12 @@ SERVE_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 #: Keys that differ between any two answers by construction.
 _VOLATILE = frozenset({"id", "created", "system_fingerprint", "kv_transfer_params",
-                       "pd_telemetry", "metrics", "service_tier"})
+                       "pd_telemetry", "metrics", "service_tier",
+                       # the Responses API's timestamps and item ids
+                       "created_at", "completed_at", "item_id",
+                       # prefix-cache accounting: D's prompt came from P, not from
+                       # its own cache writes (docs/proxy.md, request parity)
+                       "cache_write_tokens"})
 
 
 class Kv(enum.Enum):
@@ -57,6 +62,8 @@ class Case:
     name: str
     body: dict[str, Any]
     chat: bool = False
+    #: A Responses API request (``/v1/responses``).
+    responses: bool = False
     kv: Kv = Kv.MOVED
     #: Greedy (temperature 0): differing tokens go to the near-tie oracle.
     greedy: bool = True
@@ -68,6 +75,8 @@ class Case:
 
     @property
     def endpoint(self) -> str:
+        if self.responses:
+            return "/v1/responses"
         return "/v1/chat/completions" if self.chat else "/v1/completions"
 
     @property
@@ -173,6 +182,12 @@ CASES: list[Case] = [
     Case("chat_n2_seeded", _t(41, n=2, **_SAMPLED), chat=True, greedy=False),
     Case("batched_n2", {"prompt": [_prompt(42), _prompt(43, 160)], "max_tokens": 6, "n": 2,
                         "return_token_ids": True, **_SAMPLED}, greedy=False, prompts=2),
+    Case("responses", {"instructions": "You are terse.", "input": f"46 {_WORDS}",
+                       "max_output_tokens": 12, "temperature": 0}, responses=True,
+         greedy=False),
+    Case("responses_stream", {"input": [{"role": "user", "content": f"47 {_WORDS}"}],
+                              "max_output_tokens": 12, "temperature": 0, "stream": True},
+         responses=True, greedy=False),
     Case("n2_greedy_refused", _c(44, n=2), kv=Kv.NONE,
          notes="vLLM refuses n > 1 at temperature 0 (400), collocated or not"),
 ]
@@ -197,31 +212,74 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 # ------------------------------------------------------------------ normalizing
-def normalize(answer: Any, stream: bool) -> Any:
+def normalize(answer: Any, stream: bool, responses: bool = False) -> Any:
     """What the client can see of an answer, less what differs by construction.
 
-    A stream becomes each choice's chunks, in order, and its usage chunks:
-    the same chunks carrying the same fields.
+    A stream is compared by what its chunks add up to, not by where they
+    break: vLLM's API server merges the outputs a slow reader has not yet
+    taken into one chunk, so chunk boundaries depend on timing (a D that
+    skipped the prefill streams at another pace than a collocated engine).
     """
-    if stream:
-        assert isinstance(answer, list) and answer, answer
-        return _by_choice([_strip(ev) for ev in answer if isinstance(ev, dict)])
-    return _strip(answer)
+    if not stream:
+        return _strip(answer)
+    assert isinstance(answer, list) and answer, answer
+    events = [_strip(ev) for ev in answer if isinstance(ev, dict)]
+    return _responses_stream(events) if responses else _choices_stream(events)
 
 
-def _by_choice(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """A stream as each choice's own chunks in order, plus the usage-only
-    chunks: how choices (of ``n``, or of a batch's prompts) interleave
-    depends on timing, not on what the client is told."""
-    out: dict[str, Any] = {"usage_chunks": []}
+def _choices_stream(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each choice's text, tokens, logprobs, tool calls and last fields, the
+    top-level fields, and the last usage (summed over the stream's end)."""
+    out: dict[str, Any] = {"usage": None, "top": {}}
     for chunk in chunks:
-        choices = chunk.get("choices") or []
-        rest = {k: v for k, v in chunk.items() if k != "choices"}
-        if not choices:
-            out["usage_chunks"].append(rest)
-        for choice in choices:
-            out.setdefault(f"choice {choice.get('index')}", []).append({**rest, **choice})
+        if chunk.get("usage"):
+            out["usage"] = chunk["usage"]
+        out["top"].update({k: v for k, v in chunk.items()
+                           if k not in ("choices", "usage") and v is not None})
+        for choice in chunk.get("choices") or ():
+            acc = out.setdefault(f"choice {choice.get('index')}", {
+                "text": "", "token_ids": [], "logprobs": {}, "tool_calls": {}})
+            delta = choice.get("delta") or {}
+            acc["text"] += (choice.get("text") or "") + (delta.get("content") or "")
+            acc["token_ids"] += choice.get("token_ids") or []
+            _add_logprobs(acc["logprobs"], choice.get("logprobs"))
+            for call in delta.get("tool_calls") or ():
+                c = acc["tool_calls"].setdefault(call.get("index", 0), {"arguments": ""})
+                fn = call.get("function") or {}
+                c["arguments"] += fn.get("arguments") or ""
+                if fn.get("name"):
+                    c["name"] = fn["name"]
+            for key, value in {**choice, **delta}.items():
+                if key not in ("text", "content", "token_ids", "logprobs", "tool_calls",
+                               "delta") and value is not None:
+                    acc[key] = value
     return out
+
+
+def _add_logprobs(acc: dict[str, list[Any]], logprobs: Any) -> None:
+    """Concatenate a chunk's logprobs: every list field (completions'
+    ``tokens``, ``token_logprobs``, ... and chat's ``content``)."""
+    if isinstance(logprobs, dict):
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                acc.setdefault(key, []).extend(value)
+
+
+def _responses_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Responses API stream: its event types (repeats of one collapsed),
+    the text its deltas add up to, and the final response."""
+    types: list[str] = []
+    text = ""
+    final = None
+    for ev in events:
+        kind = ev.get("type", "?")
+        if not types or types[-1] != kind:
+            types.append(kind)
+        if kind == "response.output_text.delta":
+            text += ev.get("delta") or ""
+        if kind == "response.completed":
+            final = ev.get("response")
+    return {"types": types, "text": text, "final": final}
 
 
 def _strip(obj: Any) -> Any:
@@ -295,10 +353,12 @@ def check_case(case: Case, ref: Engine, front_url: str, d: Engine, model: str) -
         assert moved == 0, f"{case.name}: a refused request loaded {moved} tokens"
         return f"{case.name}: {status_want} from both"
     assert case.kv is not Kv.NONE, f"{case.name}: expected a refusal, got 200 from both"
-    if case.stream:
+    if case.stream and not case.responses:  # a Responses stream has no [DONE]
         assert got[-1] == "[DONE]" and got.count("[DONE]") == 1, got[-3:]
+    if case.stream:
         assert not [ev for ev in got if isinstance(ev, dict) and "error" in ev], got
-    diffs = differences(normalize(want, case.stream), normalize(got, case.stream))
+    diffs = differences(normalize(want, case.stream, case.responses),
+                        normalize(got, case.stream, case.responses))
     verdict = "equal"
     if diffs:
         assert case.greedy, f"{case.name}: answers differ: {diffs[:8]}"
@@ -321,6 +381,11 @@ def check_case(case: Case, ref: Engine, front_url: str, d: Engine, model: str) -
 def _prompt_tokens(answer: Any, case: Case) -> int:
     """The prompt tokens of the case's distinct prompts, each counted once
     whatever ``n`` is (as vLLM's ``usage.prompt_tokens`` counts them)."""
+    if case.responses:
+        if case.stream:
+            answer = next(ev["response"] for ev in answer
+                          if isinstance(ev, dict) and ev.get("type") == "response.completed")
+        return int(answer["usage"]["input_tokens"])
     if not case.stream:
         return int(answer["usage"]["prompt_tokens"])
     usages = [ev["usage"] for ev in answer if isinstance(ev, dict) and ev.get("usage")]

@@ -127,6 +127,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_post("/v1/responses", self._completions)
         self.server = TestServer(app, host="127.0.0.1")
         await self.server.start_server()
         return self

@@ -294,13 +294,16 @@ _canonical = msgspec.json.Encoder(order="sorted")
 
 def body_prompt_digest(body: Mapping[str, Any]) -> str:
     """Digest of what a request body asks to be prefilled (``prompt`` and
-    ``messages``, whichever it has): the proxy and the engine's API server
-    compute it from the same JSON."""
+    ``messages``, whichever it has; a Responses API body's ``input`` and
+    ``instructions``): the proxy and the engine's API server compute it from
+    the same JSON."""
+    fields = {"prompt": body.get("prompt"), "messages": body.get("messages")}
+    if "input" in body:  # the Responses API: its input and instructions too
+        fields.update(input=body.get("input"), instructions=body.get("instructions"))
     try:
-        data = _canonical.encode({"prompt": body.get("prompt"),
-                                  "messages": body.get("messages")})
+        data = _canonical.encode(fields)
     except (TypeError, msgspec.EncodeError):
-        data = repr((body.get("prompt"), body.get("messages"))).encode()
+        data = repr(tuple(fields.values())).encode()
     return hashlib.sha256(data).hexdigest()[:32]
 
 
