@@ -11,6 +11,13 @@ per request, calls :func:`decide`, and counts the result in
 
 The rules, first match wins:
 
+0. the request needs D to run the prompt's forward pass itself: local
+   (``prompt_pass``; prompt logprobs, ``echo`` with logprobs, beam search:
+   vLLM computes prompt logprobs from that pass and never from loaded KV,
+   and runs beam search as requests of its own API server), whatever the
+   threshold, so that no P prefills for nothing; checked by the
+   :class:`~vllm_pd_proxy.forward.Forwarder` (:func:`needs_prompt_pass`)
+   before :func:`decide`, except for a turn with a kept turn to read back;
 1. ``--local-prefill-threshold 0``: remote (``always_remote``);
 2. a kept turn to read back: remote (``multi_turn``; only P's read releases
    D's kept blocks, so it is never skipped);
@@ -27,6 +34,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 class Reason(enum.StrEnum):
@@ -38,6 +46,7 @@ class Reason(enum.StrEnum):
     LONG_PROMPT = "long_prompt"
     MULTI_TURN = "multi_turn"
     ALWAYS_REMOTE = "always_remote"
+    PROMPT_PASS = "prompt_pass"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,23 @@ class Decision:
 
 #: Conditional disaggregation off: one decision for every request (no allocation).
 ALWAYS_REMOTE = Decision(False, Reason.ALWAYS_REMOTE)
+#: D must run the prompt itself (rule 0).
+PROMPT_PASS = Decision(True, Reason.PROMPT_PASS)
+
+
+def needs_prompt_pass(body: dict[str, Any]) -> bool:
+    """Whether the request needs D to run its prompt's forward pass (rule 0):
+    prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs`` on
+    /v1/completions) or beam search."""
+    if body.get("use_beam_search") is True:
+        return True
+    if _asked(body.get("prompt_logprobs")):  # 0 asks too: the prompt token's own
+        return True
+    return bool(body.get("echo")) and _asked(body.get("logprobs"))
+
+
+def _asked(value: Any) -> bool:
+    return value is not None and value is not False
 
 
 def decide(

@@ -49,7 +49,7 @@ from .body import BodyBudget, check_responses, num_choices, parse_body, read_bod
 from .config import ProxyConfig, TransferMode
 from .context import RequestContext, member_request_id, sanitize_request_id
 from .conversations import Turn, conversation_key
-from .decision import ALWAYS_REMOTE, Decision, decide
+from .decision import ALWAYS_REMOTE, PROMPT_PASS, Decision, decide, needs_prompt_pass
 from .errors import Outcome
 from .health import HealthMonitor
 from .legs import decode_body
@@ -227,7 +227,11 @@ class Forwarder:
         """One prompt: decide where it is prefilled, run that flow; a streamed
         answer goes into ``sink`` (the client, or a batch's merged stream)."""
         affine = self._affinity.affine_decode(turn) if turn is not None else None
-        decision, decode, prefix = self._decide(ctx, affine, turn is not None)
+        if turn is None and needs_prompt_pass(body):
+            # (A kept turn still goes through P: only P's read-back frees it.)
+            decision, decode, prefix = PROMPT_PASS, None, None
+        else:
+            decision, decode, prefix = self._decide(ctx, affine, turn is not None)
         self._metrics.decisions.labels(decision.label, decision.reason).inc()
         return await self._run_flow(
             sink, ctx, body, headers, decision.is_local, decode, prefix, turn)

@@ -131,6 +131,8 @@ CASES: list[Case] = [
          notes="vLLM computes prompt logprobs from the prompt's own forward pass"),
     Case("echo_logprobs", _c(8, echo=True, logprobs=1), kv=Kv.LOCAL,
          notes="echo with logprobs asks for prompt logprobs"),
+    Case("beam_search", _c(48, n=2, use_beam_search=True, temperature=0), kv=Kv.LOCAL,
+         notes="vLLM runs beam search as its API server's own requests"),
     Case("seeded_sampling", _c(9, max_tokens=16, **_SAMPLED), greedy=False),
     Case("seeded_sampling_stream", _c(10, max_tokens=16, stream=True, **_SAMPLED),
          greedy=False),

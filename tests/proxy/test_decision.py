@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from vllm_pd_proxy.decision import Decision, Reason, decide, is_saturated
+from vllm_pd_proxy.decision import Decision, Reason, decide, is_saturated, needs_prompt_pass
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
@@ -69,3 +69,38 @@ def test_reasons_are_the_documented_metric_labels():
     documented = re.findall(r"`(\w+)`", row.split("`reason`", 1)[1].split("|")[0])
     assert documented == [reason.value for reason in Reason]
     assert f"{Reason.PREFIX_HIT}" == "prefix_hit" and str(Reason.MULTI_TURN) == "multi_turn"
+
+
+@pytest.mark.parametrize(("body", "needs"), [
+    ({"prompt": "a"}, False),
+    ({"prompt": "a", "prompt_logprobs": 0}, True),     # 0 asks for the sampled token's
+    ({"prompt": "a", "prompt_logprobs": None}, False),
+    ({"prompt": "a", "echo": True, "logprobs": 0}, True),
+    ({"prompt": "a", "echo": True}, False),             # echo alone needs no logprobs
+    ({"prompt": "a", "logprobs": 3}, False),            # generated-token logprobs: D decodes
+    ({"prompt": "a", "use_beam_search": True, "n": 2}, True),
+    ({"prompt": "a", "use_beam_search": False}, False),
+    ({"messages": [], "prompt_logprobs": 2}, True),
+])
+def test_prompt_pass_rule(body, needs):
+    assert needs_prompt_pass(body) is needs
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"echo": True, "logprobs": 1},
+                                   {"use_beam_search": True, "n": 2, "temperature": 0}])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_prompt_pass_requests_send_no_p_leg(engines, proxy, extra, mode):
+    """A request D must prefill itself (prompt logprobs, beam search) goes to
+    D alone, whatever the threshold (0 here: everything else disaggregated)."""
+    p, d = await engines("prefill"), await engines("decode")
+    client = await proxy([p], [d], transfer_mode=mode)
+    resp = await client.post("/v1/completions", json={"prompt": [1, 2, 3], **extra})
+    assert resp.status == 200
+    assert p.legs() == []
+    (d_leg,) = d.legs()
+    assert "kv_transfer_params" not in d_leg.body and d_leg.body.items() >= extra.items()
+    metrics = await (await client.get("/metrics")).text()
+    assert 'pd_proxy_prefill_decisions_total{decision="local",reason="prompt_pass"} 1.0' in metrics
+    # The same prompt without them is disaggregated.
+    assert (await client.post("/v1/completions", json={"prompt": [1, 2, 3]})).status == 200
+    assert len(p.legs()) == 1
