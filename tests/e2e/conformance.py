@@ -41,9 +41,10 @@ _VOLATILE = frozenset({"id", "created", "system_fingerprint", "kv_transfer_param
                        "pd_telemetry", "metrics", "service_tier",
                        # the Responses API's timestamps and item ids
                        "created_at", "completed_at", "item_id",
-                       # prefix-cache accounting: D's prompt came from P, not from
-                       # its own cache writes (docs/proxy.md, request parity)
-                       "cache_write_tokens"})
+                       # prefix-cache accounting: it depends on what each engine
+                       # served before, and D's prompt came from P, not from its
+                       # own cache (docs/proxy.md, request parity)
+                       "cache_write_tokens", "cached_tokens"})
 
 
 class Kv(enum.Enum):
