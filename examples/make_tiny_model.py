@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -97,10 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         print(f"model already built: {out}")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
-    build_model(out, args.preset, args.seed)
-    stamp.write_text(json.dumps(want))
+    # Built aside and renamed into place: test processes running in
+    # parallel may build the same model, and an engine must never read a
+    # half-written one.
+    tmp = out.parent / f".{out.name}.building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build_tokenizer(tmp)
+    build_model(tmp, args.preset, args.seed)
+    (tmp / stamp.name).write_text(json.dumps(want))
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        shutil.rmtree(tmp)  # another process built it meanwhile
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
     print(f"built {args.preset} model (seed {args.seed}) in {out}")
     return 0
 

@@ -7,10 +7,11 @@ sockets or vLLM), ``component/`` (real ZMQ, threads, the fake transport),
 shared across them live in ``support/``, put on ``sys.path`` here.
 
 Parallel tiers: ``tests/run.sh`` with no arguments runs pytest-xdist with
-two workers and ``--dist loadgroup``, scheduled here as two work units
-(``pytest_xdist_make_scheduler``): one worker runs the e2e tier (one session
-set of engines, its tests in the order tests/e2e/conftest.py sets) while
-the other runs every engine-free tier beside it.
+three workers and ``--dist loadgroup``, scheduled here as one work unit per
+e2e lane (tests/e2e/lanes.py; each lane's tests in the order
+tests/e2e/conftest.py sets, on that worker's session engines) and one for
+every engine-free tier (``pytest_xdist_make_scheduler``), each unit on a
+worker of its own.
 
 Skips: a test that cannot run here (no NIXL, no namespaces, one core) skips
 with its reason, and ``tests/run.sh`` lists every reason at the end (``-rs``).
@@ -48,16 +49,20 @@ E2E_PREFIX = "tests/e2e/"
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under ``--dist loadgroup``: two work units, the e2e tier and the rest,
-    one per worker (xdist's own groups, by ``xdist_group`` marks, do not take
-    with pytest 9's node ids, and no test here uses them)."""
+    """Under ``--dist loadgroup``: a work unit per e2e lane and one for the
+    rest, each on one worker (xdist's own groups, by ``xdist_group`` marks,
+    do not take with pytest 9's node ids, and no test here uses them)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    from tests.e2e import lanes
+
     class TierScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return "engines" if nodeid.startswith(E2E_PREFIX) else "no-engines"
+            if not nodeid.startswith(E2E_PREFIX):
+                return "no-engines"
+            return "engines-" + lanes.lane_of(nodeid.split("::", 1)[0])
 
     return TierScheduling(config, log)
 

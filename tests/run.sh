@@ -2,9 +2,10 @@
 # The test suite: unit, scheduler-level, real-NIXL transport, proxy and
 # end-to-end tests with real vLLM engines on CPU. Sets up .venv first.
 #
-#   tests/run.sh [OPTIONS]     every tier: the e2e tier (real engines) in one
-#                              pytest-xdist worker, every engine-free tier in
-#                              another beside it (tests/conftest.py); pytest
+#   tests/run.sh [OPTIONS]     every tier: each lane of the e2e tier (real
+#                              engines, tests/e2e/lanes.py) in a pytest-xdist
+#                              worker, every engine-free tier in a third
+#                              beside them (tests/conftest.py); pytest
 #                              OPTIONS (e.g. --durations=20) apply to the run
 #   tests/run.sh --fast [ARGS] every tier but real engines (pure, component,
 #                              scheduler, transport, proxy; nothing marked
@@ -34,6 +35,6 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -n 4 -m "not engine" "${FAST_TIERS[@]}" "$@"
 elif ! names_a_test "$@"; then
-  set -- -n 2 --dist loadgroup "$@" tests
+  set -- -n 3 --dist loadgroup "$@" tests
 fi
 exec python -m pytest -q -p no:cacheprovider -rs "$@"

@@ -1,50 +1,39 @@
 """Real vLLM engines for the end-to-end tests, and the order the tests run in.
 
-The session set, started together once and stopped by PID at the end:
+The session engines, started on first need and stopped by PID at the end:
 ``ref`` a collocated engine without a connector (the oracle), ``p`` a
 PDConnector producer, ``d`` a consumer with ``kv_load_failure_policy=fail``
-(and ``transfer_telemetry_in_response``). ``p2``, a second producer, starts
-when a test first needs it (``test_isolation.py`` freezes it and
-``test_drain.py`` drains it, late in the run), so that it never runs beside
-the largest module sets: 8 engines at once is the most a 23 GiB machine
-holds (the multi-turn module's 5 and the session's 3). Modules whose engines
-need another configuration start their own set (``engine_set.py``), and stop
-it when the module ends.
+(and ``transfer_telemetry_in_response``), and ``p2``, a second producer
+(``test_isolation.py`` freezes it and ``test_drain.py`` drains it, late in
+the ``session`` lane). Each lane (tests/e2e/lanes.py) says which of them
+its modules use, and a module's first use starts those together; under
+``tests/run.sh`` each lane runs in a process of its own, so the
+``own-sets`` lane's process starts only its ``ref``. Modules whose engines
+need another configuration start their own set (``engine_set.py``, within
+the engine budget every process shares), and stop it when the module ends.
 
 Order (``pytest_collection_modifyitems``): the e2e tests run after every
-other tier, modules in ``E2E_ORDER``. ``test_isolation.py`` runs late, when
-the engine-free tiers (run beside it by ``tests/run.sh``) are done, since it
-times handoffs. ``test_drain.py`` runs last: its tests drain ``p2`` and then
-``d`` (SIGTERM: they exit), so no test after them could use those engines.
-Under pytest-xdist one worker runs every e2e test (tests/conftest.py), in
-this order, on one session set.
+other tier, lane by lane, each lane's modules in its order, each module's
+tests in file order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
 
+from tests.e2e import lanes
 from tests.e2e.conformance import SERVE_ARGS
-from tests.e2e.engine_set import engine_set
+from tests.e2e.engine_set import started
 from tests.e2e.helpers import build_model, log_dir
 from vllm_pd_ext.testing.engines import Engine
 
 pytestmark = pytest.mark.engine
 
 E2E_DIR = Path(__file__).parent
-#: Session-set modules first, then those with sets of their own, then the
-#: two that must come last (see the module docstring). Unlisted: before these.
-E2E_ORDER = [
-    "test_pull.py", "test_proxy_e2e.py", "test_conformance.py", "test_d_variants.py",
-    "test_oracle.py", "test_concurrency.py",
-    "test_sizing_e2e.py", "test_slo_bench_e2e.py",
-    "test_auth_e2e.py", "test_failures.py", "test_intree_nixl.py", "test_push.py",
-    "test_multiturn.py", "test_multihost.py",
-    "test_isolation.py", "test_drain.py",
-]
 
 
 def _is_e2e(item: pytest.Item) -> bool:
@@ -53,14 +42,14 @@ def _is_e2e(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every other tier first, in collection order; then the e2e modules in
-    ``E2E_ORDER``, each module's tests in file order (a stable sort)."""
-    rank = {name: i for i, name in enumerate(E2E_ORDER)}
+    """Every other tier first, in collection order; then the e2e modules
+    lane by lane (``lanes.order_key``), each module's tests in file order
+    (a stable sort)."""
 
-    def key(item: pytest.Item) -> tuple[int, int]:
+    def key(item: pytest.Item) -> tuple[int, int, int]:
         if not _is_e2e(item):
-            return (0, 0)
-        return (1, rank.get(Path(item.path).name, -1))
+            return (0, 0, 0)
+        return (1, *lanes.order_key(item.path))
 
     items.sort(key=key)
 
@@ -70,45 +59,112 @@ def model() -> str:
     return build_model("tiny")
 
 
-@pytest.fixture(scope="session")
-def engines(model: str) -> Iterator[dict[str, Engine]]:
-    logs = log_dir("session")
-    engs = {
-        # SERVE_ARGS: what the request-parity cases need (test_conformance.py).
-        "ref": Engine("ref", model, logs, connector=None, cpu_bind="0", extra_args=SERVE_ARGS),
-        "p": Engine("p", model, logs, role="kv_producer", cpu_bind="0", extra_args=SERVE_ARGS),
-        # transfer_telemetry_in_response: D's answers carry its transfer record
-        # (tests/e2e/test_proxy_e2e.py::test_transfer_telemetry_through_proxy).
-        # drain_timeout bounds test_drain.py's drain of this D.
-        "d": Engine("d", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
-                    extra_args=SERVE_ARGS,
-                    extra_config={"transfer_telemetry_in_response": True,
-                                  "drain_timeout": 60.0}),
-    }
-    with engine_set(*engs.values()):
-        yield engs
+class SessionEngines:
+    """This process's session engines: each started on first need (with
+    the others asked for at the same time, as one set), all stopped at the
+    end of the session, together."""
+
+    def __init__(self, model: str) -> None:
+        # One log folder per process: two lanes' ``ref`` must not share a log.
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        self.logs = log_dir(f"session-{worker}" if worker else "session")
+        self.model = model
+        self.engines: dict[str, Engine] = {}
+        self._sets = contextlib.ExitStack()
+
+    def _make(self, name: str) -> Engine:
+        model, logs = self.model, self.logs
+        if name == "ref":
+            # SERVE_ARGS: what the request-parity cases need (test_conformance.py).
+            return Engine("ref", model, logs, connector=None, cpu_bind="0",
+                          extra_args=SERVE_ARGS)
+        if name == "p":
+            return Engine("p", model, logs, role="kv_producer", cpu_bind="0",
+                          extra_args=SERVE_ARGS)
+        if name == "d":
+            # transfer_telemetry_in_response: D's answers carry its transfer record
+            # (tests/e2e/test_proxy_e2e.py::test_transfer_telemetry_through_proxy).
+            # drain_timeout bounds test_drain.py's drain of this D.
+            return Engine("d", model, logs, role="kv_consumer", cpu_bind="1",
+                          failure_policy="fail", extra_args=SERVE_ARGS,
+                          extra_config={"transfer_telemetry_in_response": True,
+                                        "drain_timeout": 60.0})
+        if name == "p2":
+            # A second producer (default lease), frozen by test_isolation.py
+            # and drained, for good, by test_drain.py.
+            return Engine("p2", model, logs, role="kv_producer", cpu_bind="0",
+                          extra_config={"drain_timeout": 60.0})
+        raise KeyError(f"no session engine {name!r}")
+
+    def start(self, *names: str) -> None:
+        """Start those of ``names`` not started yet, as one set, without
+        waiting for them."""
+        missing = [n for n in dict.fromkeys(names) if n not in self.engines]
+        if missing:
+            engines = {n: self._make(n) for n in missing}
+            self._sets.enter_context(started(*engines.values()))
+            self.engines.update(engines)
+
+    def get(self, *names: str) -> dict[str, Engine]:
+        """``names``, started if need be, once they serve."""
+        self.start(*names)
+        return {n: self.engines[n].wait_ready() for n in names}
+
+    def close(self) -> None:
+        self._sets.close()
+
+
+_SESSION: SessionEngines | None = None
+
+
+def session_engines_of_this_process() -> SessionEngines:
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = SessionEngines(build_model("tiny"))
+    return _SESSION
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before an e2e test's fixtures: start its lane's session engines, so
+    that they start beside the module's own set rather than after it."""
+    if _is_e2e(item):
+        session_engines_of_this_process().start(*lanes.SESSION_ENGINES[lanes.lane_of(item.path)])
+
+
+def pytest_sessionfinish() -> None:
+    if _SESSION is not None:
+        _SESSION.close()
 
 
 @pytest.fixture(scope="session")
-def ref(engines: dict[str, Engine]) -> Engine:
-    return engines["ref"]
+def session_engines() -> SessionEngines:
+    return session_engines_of_this_process()
 
 
-@pytest.fixture(scope="session")
-def p(engines: dict[str, Engine]) -> Engine:
-    return engines["p"]
+def _session_engine(request: pytest.FixtureRequest, engines: SessionEngines,
+                    name: str) -> Engine:
+    """``name``, started (if it is not yet) with the rest of what the
+    requesting module's lane uses, so that a lane's engines start as one set."""
+    lane = lanes.lane_of(request.path)
+    return engines.get(*lanes.SESSION_ENGINES[lane], name)[name]
 
 
-@pytest.fixture(scope="session")
-def d(engines: dict[str, Engine]) -> Engine:
-    return engines["d"]
+@pytest.fixture(scope="module")
+def ref(request: pytest.FixtureRequest, session_engines: SessionEngines) -> Engine:
+    return _session_engine(request, session_engines, "ref")
 
 
-@pytest.fixture(scope="session")
-def p2(model: str) -> Iterator[Engine]:
-    """A second producer (default lease), frozen by test_isolation.py and
-    drained, for good, by test_drain.py."""
-    eng = Engine("p2", model, log_dir("session"), role="kv_producer", cpu_bind="0",
-                 extra_config={"drain_timeout": 60.0})
-    with engine_set(eng):
-        yield eng
+@pytest.fixture(scope="module")
+def p(request: pytest.FixtureRequest, session_engines: SessionEngines) -> Engine:
+    return _session_engine(request, session_engines, "p")
+
+
+@pytest.fixture(scope="module")
+def d(request: pytest.FixtureRequest, session_engines: SessionEngines) -> Engine:
+    return _session_engine(request, session_engines, "d")
+
+
+@pytest.fixture(scope="module")
+def p2(request: pytest.FixtureRequest, session_engines: SessionEngines) -> Engine:
+    return _session_engine(request, session_engines, "p2")

@@ -42,7 +42,6 @@ READBACK = "vllm:pd_ext_readback_tokens_total"
 READBACK_BYTES = "vllm:pd_ext_readback_bytes_total"
 KEPT = "vllm:pd_ext_turns_kept_total"
 USAGE = "vllm:kv_cache_usage_perc"
-PUSH_TTL = 20.0
 
 
 def _sample(url: str, series: str, label: str) -> float:
@@ -68,59 +67,30 @@ def _kept_tokens(prompt: list[int], answer: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def both_sets(model: str) -> Iterator[dict[str, dict[str, Engine]]]:
-    """The pull set and the push set, started together and stopped together."""
-    pull_logs, push_logs = log_dir("multiturn-pull"), log_dir("multiturn-push")
+def pull_engines(model: str) -> Iterator[dict[str, Any]]:
+    """P and two Ds (bidirectional, pull) behind a ``--multi-turn`` proxy. The
+    push set is test_multiturn_push.py's: a module of its own, so that the
+    two sets never run at once (the engine budget, tests/e2e/engine_set.py)."""
+    logs = log_dir("multiturn-pull")
     pull = {"bidirectional_kv_xfer": True, "handshake_timeout": 2.0}
-    push = {"bidirectional_kv_xfer": True, "transfer_mode": "push",
-            "decoder_kv_blocks_ttl": PUSH_TTL}
-    sets = {
-        "pull": {
-            # Without a prefix cache of its own (the push P has one): every
-            # history token P does not compute comes back from D.
-            "p": Engine("mt-p", model, pull_logs, role="kv_both", cpu_bind="0",
-                        extra_config=pull, failure_policy="fail",
-                        extra_args=["--no-enable-prefix-caching"]),
-            "d0": Engine("mt-d0", model, pull_logs, role="kv_both", cpu_bind="1",
-                         extra_config=pull, failure_policy="fail"),
-            "d1": Engine("mt-d1", model, pull_logs, role="kv_both", cpu_bind="1",
-                         extra_config=pull, failure_policy="fail"),
-        },
-        "push": {
-            "p": Engine("mtx-p", model, push_logs, role="kv_both", cpu_bind="0",
-                        extra_config=push),
-            "d0": Engine("mtx-d", model, push_logs, role="kv_both", cpu_bind="1",
-                         extra_config=push, failure_policy="fail"),
-        },
+    engs = {
+        # Without a prefix cache of its own (the push P has one): every
+        # history token P does not compute comes back from D.
+        "p": Engine("mt-p", model, logs, role="kv_both", cpu_bind="0",
+                    extra_config=pull, failure_policy="fail",
+                    extra_args=["--no-enable-prefix-caching"]),
+        "d0": Engine("mt-d0", model, logs, role="kv_both", cpu_bind="1",
+                     extra_config=pull, failure_policy="fail"),
+        "d1": Engine("mt-d1", model, logs, role="kv_both", cpu_bind="1",
+                     extra_config=pull, failure_policy="fail"),
     }
-    with engine_set(*sets["pull"].values(), *sets["push"].values()):
-        yield sets
-
-
-@pytest.fixture(scope="module")
-def pull_engines(both_sets: dict[str, dict[str, Engine]]) -> Iterator[dict[str, Any]]:
-    engs = both_sets["pull"]
-    px = Proxy([engs["p"].url], [engs["d0"].url, engs["d1"].url], log_dir("multiturn-pull"),
-               args=["--multi-turn", "--health-interval", "1"]).start()
-    try:
-        yield {**engs, "proxy": px.wait_ready()}
-    finally:
-        px.stop()
-
-
-@pytest.fixture(scope="module")
-def push_engines(both_sets: dict[str, dict[str, Engine]]) -> Iterator[dict[str, Any]]:
-    engs = both_sets["push"]
-    px = Proxy([engs["p"].url], [engs["d0"].url], log_dir("multiturn-push"),
-               # No health rounds during the tests: in push mode each one
-               # probes P's identity with a small prefill, which P's
-               # computed-token counter would count.
-               args=["--multi-turn", "--transfer-mode", "push",
-                     "--health-interval", "600"]).start()
-    try:
-        yield {**engs, "proxy": px.wait_ready()}
-    finally:
-        px.stop()
+    with engine_set(*engs.values()):
+        px = Proxy([engs["p"].url], [engs["d0"].url, engs["d1"].url], logs,
+                   args=["--multi-turn", "--health-interval", "1"]).start()
+        try:
+            yield {**engs, "proxy": px.wait_ready()}
+        finally:
+            px.stop()
 
 
 def _four_turns(ref: Engine, model: str, engs: dict[str, Any], seed: int) -> None:
@@ -176,10 +146,6 @@ def _stream(proxy: Proxy, body: dict[str, Any], headers: dict[str, str],
 
 def test_four_turns_pull(ref: Engine, model: str, pull_engines: dict[str, Any]) -> None:
     _four_turns(ref, model, pull_engines, seed=301)
-
-
-def test_four_turns_push(ref: Engine, model: str, push_engines: dict[str, Any]) -> None:
-    _four_turns(ref, model, push_engines, seed=302)
 
 
 def test_four_turn_chat_pull(ref: Engine, model: str, pull_engines: dict[str, Any]) -> None:
@@ -281,56 +247,6 @@ def test_abort_mid_turn_leaks_nothing(model: str, pull_engines: dict[str, Any]) 
         time.sleep(0.5)
     assert usage[0] == 0.0, "P still pins blocks"
     assert usage[1:] == base, f"D kept blocks of an aborted conversation: {usage[1:]} vs {base}"
-
-
-def test_lease_expiry_between_turns(ref: Engine, model: str,
-                                    push_engines: dict[str, Any]) -> None:
-    """D's kept turn expires before the next turn: the proxy no longer hands
-    it out, a P leg that still names it falls back (expired), D freed it."""
-    p, d, proxy = push_engines["p"], push_engines["d0"], push_engines["proxy"]
-    kept0 = d.metrics().get(KEPT, 0.0)
-    session = {"X-Session-Id": "expiry"}
-    prompt = token_prompt(200, 330)
-    status, first = proxy.post("/v1/completions", completion_body(
-        model, prompt, max_tokens=130, ignore_eos=True), headers=session)
-    assert status == 200, first
-    # The same conversation run by hand, to hold D's answer (the proxy keeps
-    # it inside).
-    kept_params = _direct_kept_turn(p, d, model, [*prompt, 5])
-    assert kept_params["remote_block_hashes"], kept_params
-    # Both turns are kept (earlier tests' kept turns may expire meanwhile, so
-    # D's usage is no baseline here).
-    deadline = time.monotonic() + 10
-    while d.metrics().get(KEPT, 0.0) < kept0 + 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert d.metrics().get(KEPT, 0.0) == kept0 + 2
-    assert d.metrics()[USAGE] > 0
-    expired0 = d.metrics().get("vllm:pd_ext_turns_expired_total", 0.0)
-    time.sleep(PUSH_TTL + 1)
-    poke(d, model)  # an idle D sweeps on the next request
-    assert d.metrics().get("vllm:pd_ext_turns_expired_total", 0.0) >= expired0 + 2
-    # Every kept turn on this D (TTL PUSH_TTL) has expired: nothing is pinned.
-    assert d.metrics()[USAGE] == 0.0, "D did not free its expired kept turns"
-    history = prompt + first["choices"][0]["token_ids"] + token_prompt(20, 331)
-    body = completion_body(model, history, max_tokens=8)
-    _, want = ref.post("/v1/completions", body)
-    expired = _proxy_count(proxy, "expired")
-    before, d_before = p.metrics(), d.metrics()
-    status, got = proxy.post("/v1/completions", body, headers=session)
-    assert status == 200, got
-    assert_same_as_reference(ref, got, want)
-    assert delta(d_before, d.metrics(), EXTERNAL) > 0  # KV still moved P -> D
-    assert _proxy_count(proxy, "expired") == expired + 1
-    assert delta(before, p.metrics(), READBACK) == 0
-    # A P leg that still names the expired turn (a proxy without expiry
-    # tracking) is refused by P itself before any read.
-    fell = _fallbacks(p, "expired")
-    stale = dict(kept_params, do_remote_decode=True, do_remote_prefill=False,
-                 transfer_mode="push", pd_request_id="stale-1")
-    direct = completion_body(model, history, max_tokens=1, kv_transfer_params=stale)
-    status, answer = p.post("/v1/completions", direct)
-    assert status == 200, answer
-    assert _fallbacks(p, "expired") == fell + 1
 
 
 def _direct_kept_turn(p: Engine, d: Engine, model: str, prompt: list[int]) -> dict[str, Any]:
