@@ -119,7 +119,7 @@ def test_every_layout_and_kind(layout, kind, block_size):
         assert "padded" not in str(err.value)
 
 
-@pytest.mark.parametrize("kind", ["full8", "mla"])
+@pytest.mark.parametrize("kind", ["full1", "full8", "mla"])
 @pytest.mark.parametrize("layout", list(KVCacheLayout), ids=lambda m: m.name)
 def test_padded_pages(layout, kind):
     spec = make_spec(kind, 16)
