@@ -18,6 +18,7 @@ from vllm_pd_ext.compat import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     patches,
+    required_kv_cache_layout,
     speculative_problem,
 )
 from vllm_pd_ext.config import PDConfig
@@ -138,6 +139,22 @@ class PDConnector(KVConnectorBase_V1):
         return self.worker.build_worker_meta()
 
     # ------------------------------------------------------------ both
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """The KV cache layout we ask vLLM for: "LBHNC", or None for MLA.
+
+        ``kv_regions`` accepts every layout whose blocks are dense (LBHNC,
+        LBNHC, BL*), so this is a preference, not a need: vLLM drops it with a
+        warning when a backend cannot use it (``resolve_kv_cache_layout``). We
+        state one so that P and D resolve the same layout even when their
+        backends' defaults differ (FlashAttention would pick LBNHC, FlashInfer
+        and the CPU backend LBHNC), since the handshake refuses a layout
+        mismatch; LBHNC is the one most backends support and the one vLLM's
+        own NixlConnector asks for. MLA caches have one head slot, where LBHNC
+        and LBNHC are the same bytes, so the backend's choice stands.
+        """
+        return required_kv_cache_layout(vllm_config)
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:
             return self._worker.get_kv_connector_stats()

@@ -75,6 +75,22 @@ def test_handshake_incompatible_names_field(server, client):
     assert isinstance(reply, proto.HandshakeReply)
 
 
+def test_handshake_refuses_a_gpu_engine_on_a_cpu_one_by_device(service, client):
+    port = free_port()
+    srv = SideChannelServer(HOST, port, "eng-p", compat(device="cpu"), {0: AGENT}, service)
+    try:
+        with pytest.raises(SideChannelError, match=r"incompatible.*device.*'cuda'"):
+            client.request(HOST, port, proto.HandshakeRequest(
+                engine_id="eng-d", tp_rank=0,
+                compat=compat(device="cuda", kv_layout="LBNHC", dtype="fp8")))
+        # Same device, another attention backend: that one is informational.
+        reply = client.request(HOST, port, proto.HandshakeRequest(
+            engine_id="eng-d", tp_rank=0, compat=compat(device="cpu", attn_backend="CPU_ATTN")))
+        assert isinstance(reply, proto.HandshakeReply)
+    finally:
+        srv.close()
+
+
 def test_handshake_unknown_rank(server, client):
     with pytest.raises(SideChannelError, match="no TP rank 3"):
         client.request(HOST, server.port, proto.HandshakeRequest(

@@ -29,6 +29,12 @@ def strided(base: int, num_layers: int, num_blocks: int, stride: int = 3 * BLEN,
             for i in range(num_layers)]
 
 
+def interleaved(base: int, num_layers: int, num_blocks: int, blen: int = BLEN) -> list[Region]:
+    """Cross-layer BLHNC: block i holds every layer's page, layer after layer."""
+    return [Region(base + i * blen, num_layers * blen, blen, num_blocks)
+            for i in range(num_layers)]
+
+
 def per_block(local_ids, remote_ids, lregs, rregs):
     out = []
     for lr, rr in zip(lregs, rregs, strict=True):
@@ -110,6 +116,29 @@ def test_non_contiguous_stride_gives_per_block_descriptors():
     assert all(n == BLEN for _, _, n in descs)
 
 
+@pytest.mark.parametrize("dense_side", ["local", "remote"])
+def test_a_strided_side_never_coalesces_consecutive_blocks(dense_side):
+    """Coalescing a run of blocks into one descriptor needs block_stride ==
+    block_len on both sides; one strided side (padded pages, cross-layer
+    BLHNC) keeps one descriptor per block."""
+    dense, sparse = separate_regions(0x10000, 1, 10), strided(0x900000, 1, 10)
+    lregs, rregs = (dense, sparse) if dense_side == "local" else (sparse, dense)
+    local, remote = [1, 2, 3, 4], [5, 6, 7, 8]
+    descs = build_descriptors(local, remote, lregs, rregs)
+    assert descs == per_block(local, remote, lregs, rregs)
+    assert all(n == BLEN for _, _, n in descs)
+
+
+def test_interleaved_layers_merge_only_across_layers_of_one_block():
+    # Cross-layer BLHNC: a block's layers abut (one descriptor), blocks do not.
+    lregs, rregs = interleaved(0x10000, 3, 10), interleaved(0x900000, 3, 10)
+    assert build_descriptors([4], [7], lregs, rregs) == [
+        (0x10000 + 4 * 3 * BLEN, 0x900000 + 7 * 3 * BLEN, 3 * BLEN)]
+    descs = build_descriptors([4, 5], [7, 8], lregs, rregs)
+    assert byte_pairs(descs) == byte_pairs(per_block([4, 5], [7, 8], lregs, rregs))
+    assert all(n == BLEN for _, _, n in descs)
+
+
 def test_block_len_mismatch_raises():
     lregs = [Region(0, 64, 64, 4)]
     rregs = [Region(0x1000, 128, 128, 4)]
@@ -155,6 +184,7 @@ LAYOUTS = {
     "slab": contiguous_slab,
     "separate": separate_regions,
     "strided": strided,
+    "interleaved": interleaved,
 }
 
 

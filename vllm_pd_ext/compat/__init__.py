@@ -37,7 +37,13 @@ try:  # 0.32+: request-level failure reporting
 except ImportError:  # pragma: no cover - older vLLM is not supported
     raise ImportError("vllm_pd_ext needs vLLM >= 0.32 (KVConnectorTransferResults)") from None
 
-from vllm_pd_ext.compat.layout import compat_info, kv_layout_name, kv_regions
+from vllm_pd_ext.compat.layout import (
+    compat_info,
+    kv_layout_name,
+    kv_regions,
+    normalize_dtype,
+    required_kv_cache_layout,
+)
 from vllm_pd_ext.log import get_logger
 
 logger = get_logger(__name__)
@@ -76,9 +82,11 @@ __all__ = [
     "kv_ready_token_ids",
     "kv_regions",
     "new_block_ids",
+    "normalize_dtype",
     "num_blocks",
     "omp_threads_bind",
     "register_connector",
+    "required_kv_cache_layout",
     "side_channel_port",
     "tp_rank",
 ]

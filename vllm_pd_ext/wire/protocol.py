@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
@@ -308,6 +308,16 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     head_size: int
     tp_size: int
     transfer_mode: str
+    #: Platform device type ("cuda", "cpu", ...); "" from a peer that predates it.
+    device: str = ""
+    #: The attention backend chosen on the command line, or "auto". Informational:
+    #: the scheduler's connector cannot know the backend vLLM finally selects.
+    attn_backend: str = ""
+
+    #: Carried and logged, never compared.
+    INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"attn_backend"})
+    #: Added with a default: compared only when both sides carry a value.
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"device"})
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
@@ -319,7 +329,8 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
             f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}" if ours
             else f"{f} differs: theirs={getattr(other, f)!r}"
             for f in self.__struct_fields__
-            if getattr(self, f) != getattr(other, f)
+            if f not in self.INFORMATIONAL and getattr(self, f) != getattr(other, f)
+            and not (f in self.OPTIONAL and "" in (getattr(self, f), getattr(other, f)))
         ]
 
 
