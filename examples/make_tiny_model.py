@@ -12,6 +12,10 @@ Presets:
   layer in bf16). Fast enough for end-to-end tests on 2 cores.
 - ``bench``: 16 layers, 8 KV heads, head dim 128 (a realistic 64 KiB of KV per
   token), with a narrow MLP so it still runs fast on CPU.
+- ``gpu``: the GPU check's model (``vllm_pd_ext/testing/gpu_check.py``): 24
+  layers, 8 KV heads, head dim 128 (96 KiB of KV per token, 3 GiB for a 32k
+  prompt), hidden 2048, 40,960 positions; about 1.2 GB of bf16 weights.
+- ``gpu-dry``: the same head shape in 2 layers (the check's ``--dry-run``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ PRESETS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
     "bench": dict(hidden_size=1024, intermediate_size=256, num_hidden_layers=16,
                   num_attention_heads=8, num_key_value_heads=8, head_dim=128),
+    "gpu": dict(hidden_size=2048, intermediate_size=2048, num_hidden_layers=24,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960),
+    "gpu-dry": dict(hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                    max_position_embeddings=40960),
 }
 VOCAB_SIZE = 3072
 CHAT_TEMPLATE = (
@@ -74,12 +84,13 @@ def build_model(out: Path, preset: str, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape: dict[str, int] = {"max_position_embeddings": 4096, **PRESETS[preset]}
     cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=VOCAB_SIZE, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=3,
         # A 0.1 spread (not the default 0.02) makes every prompt block change
         # the greedy output, which the equality tests rely on.
-        initializer_range=0.1, torch_dtype="bfloat16", **PRESETS[preset],
+        initializer_range=0.1, torch_dtype="bfloat16", **shape,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)

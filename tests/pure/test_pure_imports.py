@@ -41,6 +41,8 @@ PURE = [
     "leg_auth",
     "testing.soak_plan",
     "testing.netns",
+    "testing.gpu_check",
+    "testing.gpu_report",
     "transport.ucx_env",
     "tools.sse",
     "tools.launch",

@@ -110,9 +110,17 @@ class Engine:
     #: to ``cpu_bind`` with taskset, as a cpuset would; else only the
     #: worker's OpenMP threads are bound (VLLM_CPU_OMP_THREADS_BIND).
     taskset: bool = False
+    #: ``"cpu"`` (vLLM's CPU build: a fixed KV size in bytes, OpenMP binding)
+    #: or ``"cuda"``: the KV cache is ``gpu_memory_utilization`` of the GPUs
+    #: in ``cuda_devices`` (``CUDA_VISIBLE_DEVICES``), with no CPU-only flag.
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.9
+    cuda_devices: str | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"engine {self.name}: device {self.device!r} is not cpu or cuda")
         self.port = self.port or free_port()
         self.side_channel_port = self.side_channel_port or free_port()
         self.log_path = self.log_dir / f"{self.name}.log"
@@ -130,9 +138,13 @@ class Engine:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", self.addr, "--port", str(self.port),
             "--max-model-len", str(self.max_model_len), "--enforce-eager",
-            "--dtype", self.dtype, "--kv-cache-memory-bytes", str(self.kv_bytes),
-            "--max-num-seqs", "32",
+            "--dtype", self.dtype,
         ]
+        if self.device == "cuda":
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_bytes)]
+        cmd += ["--max-num-seqs", "32"]
         if self.connector is not None:
             kv: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.role}
             if self.connector == "PDConnector":
@@ -145,27 +157,36 @@ class Engine:
                         # 4xx for a leg the proxy did not sign (with a secret).
                         "--middleware", "vllm_pd_ext.leg_auth.LegAuthMiddleware"]
             else:
-                kv["kv_buffer_device"] = "cpu"
+                kv["kv_buffer_device"] = self.device
                 if self.extra_config:
                     kv["kv_connector_extra_config"] = self.extra_config
             if self.failure_policy:
                 kv["kv_load_failure_policy"] = self.failure_policy
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         cmd += self.extra_args
-        if self.taskset and self.cpu_bind is not None:
+        if self.taskset and self.cpu_bind is not None and self.device == "cpu":
             cmd = ["taskset", "-c", self.cpu_bind, *cmd]
         return self.host.wrap(cmd) if self.host is not None else cmd
 
-    def start(self, append: bool = False) -> Engine:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+    def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The child's environment: ``base`` (this process's by default), our
+        safe settings, the side-channel port, the device's, the host's, ``env``."""
+        env = dict(os.environ if base is None else base)
         env.update(SAFE_ENV)
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
-        if self.cpu_bind is not None:
+        if self.device == "cuda":
+            if self.cuda_devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices
+        elif self.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         if self.host is not None:
             env.update(self.host.env())
         env.update(self.env)
+        return env
+
+    def start(self, append: bool = False) -> Engine:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = self.environment()
         # append=True (the soak's restart after a kill) keeps the crashed run's log.
         log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,

@@ -39,15 +39,26 @@ class Measurement:
     where: str
 
 
-def _target(conn: Any, nbytes: int) -> None:
+def _buffer(nbytes: int, cuda_device: int | None) -> tuple[Any, int, str, int]:
+    """(owner, address, NIXL memory type, device id): host memory, or GPU
+    memory on ``cuda_device`` (torch, imported only then)."""
+    if cuda_device is None:
+        buf = (ctypes.c_uint8 * nbytes)()
+        return buf, ctypes.addressof(buf), "DRAM", 0
+    import torch
+
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{cuda_device}")
+    return gpu, gpu.data_ptr(), "VRAM", cuda_device
+
+
+def _target(conn: Any, nbytes: int, cuda_device: int | None = None) -> None:
     """The child: a registered, progressing READ target until told to stop."""
     sys.stdout = sys.stderr  # NIXL logs to stdout; stdout may be the caller's JSON
     from vllm_pd_ext.transport.nixl import NixlTransport
 
-    buf = (ctypes.c_uint8 * nbytes)()
-    addr = ctypes.addressof(buf)
+    _owner, addr, mem, dev = _buffer(nbytes, cuda_device)  # alive until we return
     t = NixlTransport(f"pd-size-target-{os.getpid()}", ["UCX"], progress_thread=False)
-    t.register([(addr, nbytes)], "DRAM", 0)
+    t.register([(addr, nbytes)], mem, dev)
     t.start_progress_pump(0.001)
     conn.send((t.metadata(), addr))
     with contextlib.suppress(EOFError):
@@ -56,13 +67,17 @@ def _target(conn: Any, nbytes: int) -> None:
 
 
 def measure(sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 5,
-            timeout_s: float = 60.0) -> Measurement:
-    """Measure; NIXL's log lines (it writes them to stdout) go to stderr."""
+            timeout_s: float = 60.0,
+            cuda_devices: tuple[int, int] | None = None) -> Measurement:
+    """Measure; NIXL's log lines (it writes them to stdout) go to stderr.
+    ``cuda_devices`` (reader's GPU, target's GPU): GPU memory instead of host
+    memory, as D reads P's KV on GPUs (the GPU check, testing/gpu_check.py)."""
     with contextlib.redirect_stdout(sys.stderr):
-        return _measure(sizes, reps, timeout_s)
+        return _measure(sizes, reps, timeout_s, cuda_devices)
 
 
-def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float) -> Measurement:
+def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float,
+             cuda_devices: tuple[int, int] | None = None) -> Measurement:
     if len(sizes) < 2 or len(set(sizes)) < 2:
         raise ValueError("measuring needs at least two different message sizes")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # never the external interface unasked
@@ -71,22 +86,23 @@ def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float) -> Measurement
     largest = max(sizes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, largest), daemon=True)
+    reader_gpu, target_gpu = cuda_devices if cuda_devices is not None else (None, None)
+    proc = ctx.Process(target=_target, args=(child, largest, target_gpu), daemon=True)
     proc.start()
-    local = (ctypes.c_uint8 * largest)()
+    _owner, local_addr, mem, dev = _buffer(largest, reader_gpu)  # alive until we return
     me = NixlTransport(f"pd-size-reader-{os.getpid()}", ["UCX"], progress_thread=False)
     try:
         if not parent.poll(timeout_s):
             raise RuntimeError("the NIXL target process did not start")
         metadata, remote = parent.recv()
-        me.register([(ctypes.addressof(local), largest)], "DRAM", 0)
+        me.register([(local_addr, largest)], mem, dev)
         peer = me.add_peer(metadata)
         points = []
         for size in sorted(sizes):
             times = []
             for _ in range(reps + 1):  # the first read of each size warms the path up
                 started = time.perf_counter()
-                handle = me.post_read(peer, [(ctypes.addressof(local), remote, size)], 0)
+                handle = me.post_read(peer, [(local_addr, remote, size)], target_gpu or 0)
                 deadline = started + timeout_s
                 while (state := me.poll(handle)) is XferState.PROC:
                     if time.perf_counter() > deadline:
@@ -112,6 +128,8 @@ def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float) -> Measurement
     setup_ms = max(0.0, (t0 - s0 * slope) * 1e3)
     devices = os.environ.get("UCX_NET_DEVICES", "")
     tls = os.environ.get("UCX_TLS", "UCX's default")
-    where = (f"this host only: two processes, UCX devices {devices!r}, transports {tls}; "
-             "not a link to another host")
+    memory = ("host memory" if cuda_devices is None
+              else f"GPU memory, GPU {cuda_devices[0]} reading GPU {cuda_devices[1]}")
+    where = (f"this host only: two processes, {memory}, UCX devices {devices!r}, "
+             f"transports {tls}; not a link to another host")
     return Measurement(gb_s, setup_ms, points, where)
