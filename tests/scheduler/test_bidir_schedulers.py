@@ -24,6 +24,7 @@ from test_scheduler_lifecycle import (
     pd,
     remote_params,
     run_until_finished,
+    settle,
     step,
 )
 from vllm.v1.request import RequestStatus
@@ -123,6 +124,7 @@ def test_p_reads_back_the_matching_history_then_hands_off(make_scheduler, fake_p
     step(sched, finished_recving={req.request_id})
     out, core = step(sched)
     assert out.num_scheduled_tokens == {req.request_id: len(prompt) - 96}  # only the rest
+    core = settle(sched, core)
     assert req.status is RequestStatus.FINISHED_LENGTH_CAPPED
     (final,) = [o for o in outputs_of(core) if o.finish_reason is not None]
     answer = final.kv_transfer_params
@@ -169,6 +171,7 @@ def test_p_falls_back_to_a_full_prefill_and_frees_d(make_scheduler, fake_p, case
     out, core = step(sched)
     assert out.kv_connector_metadata.reqs_to_recv == []
     assert out.num_scheduled_tokens == {req.request_id: len(prompt)}  # P prefills it all
+    core = settle(sched, core)
     assert fell == {reason: 1}
     # D learns at once that this turn will not be read (not at its expiry).
     assert wait_for(lambda: d_leases.table.get("d-req").state is LeaseState.RELEASED)

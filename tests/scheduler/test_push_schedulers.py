@@ -13,12 +13,15 @@ import pytest
 import zmq
 from pdsched import (
     BLOCK_SIZE,
-    assert_scheduler_empty,
+    SCHEDULING_MODES,
     create_request,
     create_scheduler,
     create_vllm_config,
-    make_output,
+    drain,
+    engine_step,
+    is_async,
 )
+from pdsched import assert_scheduler_empty as assert_no_leak
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
 
@@ -40,16 +43,16 @@ def agent(name: str) -> proto.AgentInfo:
 class Pair:
     """A push P and a push D scheduler, plus P's (fake) worker order socket."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "sync") -> None:
         common = {"transfer_mode": "push", "handshake_timeout": 0.5}
         self.p_port, self.d_port = free_port(), free_port()
         self.p = create_scheduler(create_vllm_config(
             "kv_producer", engine_id="eng-p", extra=dict(
-                common, side_channel_port=self.p_port, lease_duration=LEASE_S)))
+                common, side_channel_port=self.p_port, lease_duration=LEASE_S)), mode=mode)
         self.d = create_scheduler(create_vllm_config(
             "kv_consumer", engine_id="eng-d", extra=dict(
                 common, side_channel_port=self.d_port, heartbeat_interval=0.2,
-                push_timeout=30.0)))
+                push_timeout=30.0)), mode=mode)
         self.ctx = zmq.Context()
         self.orders = self.ctx.socket(zmq.PULL)
         self.orders.setsockopt(zmq.LINGER, 0)
@@ -83,18 +86,25 @@ class Pair:
         self.ctx.term()
 
 
-@pytest.fixture
-def pair():
-    made = Pair()
+@pytest.fixture(params=SCHEDULING_MODES)
+def pair(request):
+    """Under vLLM's Scheduler (sync) and AsyncScheduler (async, pdsched)."""
+    made = Pair(request.param)
     yield made
     made.close()
 
 
 def step(sched, **output_kw):
-    out = sched.schedule()
-    core = sched.update_from_output(out, make_output(list(out.num_scheduled_tokens),
-                                                     **output_kw))
-    return out, core
+    return engine_step(sched, **output_kw)
+
+
+def assert_scheduler_empty(sched) -> None:
+    """The leak check; async: after the steps in flight and one more."""
+    if is_async(sched):
+        drain(sched)
+        step(sched)
+        drain(sched)
+    assert_no_leak(sched)
 
 
 def same_prompt(num_tokens: int) -> list[int]:
@@ -111,6 +121,7 @@ def prefill_on_p(pair: Pair, pd_id: str, num_tokens: int, request_id: str = "p-i
     for _ in range(10):
         step(pair.p)
         if req.is_finished():
+            drain(pair.p)
             return req
     raise AssertionError("prefill did not finish")
 
@@ -147,6 +158,7 @@ def finish_both(pair: Pair, d_req) -> None:
         step(pair.d)
         if d_req.is_finished():
             break
+    drain(pair.d)
     assert d_req.is_finished()
     step(pair.d)
     step(pair.p)  # P's sweep frees the released lease

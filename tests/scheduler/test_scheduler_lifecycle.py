@@ -11,10 +11,14 @@ import time
 import pytest
 from pdsched import (
     BLOCK_SIZE,
+    SCHEDULING_MODES,
     assert_scheduler_empty,
     create_request,
     create_scheduler,
     create_vllm_config,
+    drain,
+    engine_step,
+    is_async,
     make_output,
 )
 from pdunit_utils import free_port, wait_for
@@ -32,8 +36,10 @@ from vllm_pd_ext.worker.dispatcher import PDWorker
 HOST = "127.0.0.1"
 
 
-@pytest.fixture
-def make_scheduler():
+@pytest.fixture(params=SCHEDULING_MODES)
+def make_scheduler(request):
+    """Schedulers of one mode: every test here runs under vLLM's ``Scheduler``
+    (sync) and its ``AsyncScheduler`` driven like the batch queue (async)."""
     made = []
 
     def make(kv_role="kv_consumer", num_blocks=64, policy="fail", **extra):
@@ -41,7 +47,7 @@ def make_scheduler():
         extra.setdefault("handshake_timeout", 0.2)
         cfg = create_vllm_config(kv_role, extra=extra, kv_load_failure_policy=policy,
                                  engine_id=f"eng-{kv_role}")
-        sched = create_scheduler(cfg, num_blocks=num_blocks)
+        sched = create_scheduler(cfg, num_blocks=num_blocks, mode=request.param)
         made.append(sched)
         return sched
 
@@ -55,22 +61,37 @@ def pd(sched):
     return sched.connector._scheduler
 
 
-def step(sched, worker_output=None, **output_kw):
-    """One engine step: schedule, fake the forward, update. Returns (sched_out, core_out)."""
-    out = sched.schedule()
-    reqs = list(out.num_scheduled_tokens)
-    core = sched.update_from_output(out, make_output(reqs, **output_kw))
-    return out, core
+def step(sched, **output_kw):
+    """One engine step (pdsched.engine_step): schedule, fake the forward,
+    update; under async scheduling the update is the previous step's.
+    Returns (sched_out, core_out)."""
+    return engine_step(sched, **output_kw)
 
 
 def assert_empty_after_step(sched):
     """One more engine step (clears vLLM's per-step finished set), then the leak check."""
     step(sched)
+    if is_async(sched):  # the steps in flight, then one more to clear it again
+        drain(sched)
+        step(sched)
+        drain(sched)
     assert_scheduler_empty(sched)
 
 
 def outputs_of(core):
     return [o for eco in core.values() for o in eco.outputs]
+
+
+def settle(sched, core):
+    """``core`` plus, under async scheduling, the outputs of the steps still
+    in flight (the step that finishes a request is processed one step later)."""
+    merged = dict(core)
+    for client, eco in drain(sched).items():
+        if client in merged:
+            merged[client].outputs.extend(eco.outputs)
+        else:
+            merged[client] = eco
+    return merged
 
 
 def run_until_finished(sched, req, max_steps=20):
@@ -80,6 +101,9 @@ def run_until_finished(sched, req, max_steps=20):
         finals += [o for o in outputs_of(core)
                    if o.request_id == req.request_id and o.finish_reason is not None]
         if req.is_finished():
+            # async: the step scheduled after the last one finishes too.
+            finals += [o for o in outputs_of(drain(sched))
+                       if o.request_id == req.request_id and o.finish_reason is not None]
             return finals
     raise AssertionError(f"{req.request_id} did not finish: {req.status}")
 
@@ -332,6 +356,7 @@ def test_d_failed_recving_recompute_policy(make_scheduler):
     assert not req.is_finished()
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {req.request_id: 100}  # full local prefill
+    drain(sched)  # async: that step's output
     assert req.is_finished() and req.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert_empty_after_step(sched)
 

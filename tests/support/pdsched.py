@@ -10,6 +10,7 @@ import itertools
 import os
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from vllm.config import (
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -69,16 +72,89 @@ def create_vllm_config(kv_role: str = "kv_consumer", block_size: int = BLOCK_SIZ
                       device_config=DeviceConfig("cpu"))
 
 
-def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 64) -> Scheduler:
+#: The two scheduling modes the scheduler tier runs under. ``sync``:
+#: vLLM's ``Scheduler`` driven like ``EngineCore.step`` (schedule N, update N).
+#: ``async``: vLLM's ``AsyncScheduler`` (the GPU default, async_scheduling=True;
+#: the CPU platform forces it off) driven like
+#: ``EngineCore.step_with_batch_queue`` with its batch queue of 2
+#: (vllm/v1/engine/core.py): step N+1 is scheduled before step N's output is
+#: processed, so requests carry ``num_output_placeholders``.
+SCHEDULING_MODES = ("sync", "async")
+
+
+def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 64,
+                     mode: str = "sync") -> Scheduler:
+    assert mode in SCHEDULING_MODES, mode
     block_size = vllm_config.cache_config.block_size
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=block_size, log_stats=True)
+    cls = Scheduler
+    if mode == "async":
+        # What VllmConfig leaves on where the platform allows it (CUDA);
+        # EngineCore then picks AsyncScheduler and the batch queue.
+        vllm_config.scheduler_config.async_scheduling = True
+        cls = AsyncScheduler
+    sched = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=block_size, log_stats=True)
+    sched.pd_inflight = deque()  # type: ignore[attr-defined]
+    sched.pd_carry = {}  # type: ignore[attr-defined]
+    return sched
+
+
+def is_async(scheduler: Scheduler) -> bool:
+    return isinstance(scheduler, AsyncScheduler)
+
+
+def engine_step(scheduler: Scheduler, **output_kw: Any
+                ) -> tuple[SchedulerOutput, dict[int, Any]]:
+    """One engine step with a fake forward; ``output_kw`` (``make_output``'s
+    worker reports: finished_recving, ...) ride on the output processed in it.
+
+    Returns (the step's SchedulerOutput, the EngineCoreOutputs processed).
+    sync: schedule N, update N. async, the batch queue's steady state:
+    schedule N+1, then update from step N's output (the first call only
+    schedules; its reports wait for the next update).
+    """
+    out = scheduler.schedule()
+    if not is_async(scheduler):
+        return out, scheduler.update_from_output(
+            out, make_output(list(out.num_scheduled_tokens), **output_kw))
+    inflight: deque[SchedulerOutput] = scheduler.pd_inflight  # type: ignore[attr-defined]
+    carry: dict[str, Any] = scheduler.pd_carry  # type: ignore[attr-defined]
+    for key, val in output_kw.items():
+        carry[key] = (carry.get(key) or set()) | set(val) if isinstance(val, set) else val
+    inflight.append(out)
+    if len(inflight) < 2:
+        return out, {}
+    return out, _update_oldest(scheduler)
+
+
+def _update_oldest(scheduler: Scheduler) -> dict[int, Any]:
+    inflight: deque[SchedulerOutput] = scheduler.pd_inflight  # type: ignore[attr-defined]
+    carry: dict[str, Any] = scheduler.pd_carry  # type: ignore[attr-defined]
+    prev = inflight.popleft()
+    kw = dict(carry)
+    carry.clear()
+    return scheduler.update_from_output(
+        prev, make_output(list(prev.num_scheduled_tokens), **kw))
+
+
+def drain(scheduler: Scheduler) -> dict[int, Any]:
+    """async: process every step still in flight, scheduling nothing more
+    (what step_with_batch_queue does once ``has_requests()`` is False).
+    Merged EngineCoreOutputs; sync: nothing to do."""
+    merged: dict[int, Any] = {}
+    while is_async(scheduler) and scheduler.pd_inflight:  # type: ignore[attr-defined]
+        for client, eco in _update_oldest(scheduler).items():
+            if client in merged:
+                merged[client].outputs.extend(eco.outputs)
+            else:
+                merged[client] = eco
+    return merged
 
 
 _ids = itertools.count(1)
@@ -122,6 +198,7 @@ def make_output(reqs: list[Request] | list[str], *, finished_sending: set[str] |
 
 def assert_scheduler_empty(scheduler: Scheduler) -> None:
     """No request anywhere, every block free with ref count 0."""
+    assert not getattr(scheduler, "pd_inflight", None), "steps still in flight: drain() first"
     assert len(scheduler.requests) == 0, list(scheduler.requests)
     assert len(scheduler.waiting) == 0
     assert len(scheduler.kv_holding_waiting) == 0
