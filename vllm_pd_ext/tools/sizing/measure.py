@@ -80,7 +80,7 @@ def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float) -> Measurement
             raise RuntimeError("the NIXL target process did not start")
         metadata, remote = parent.recv()
         me.register([(ctypes.addressof(local), largest)], "DRAM", 0)
-        peer = me.add_peer(metadata)
+        peer = me.add_peer(metadata, "DRAM")  # both ends register DRAM
         points = []
         for size in sorted(sizes):
             times = []
