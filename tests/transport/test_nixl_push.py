@@ -229,7 +229,7 @@ def test_pusher_keeps_the_real_agent_and_reaps_departed_ones(pusher):
 
     loads: list[bytes] = []
     load = pusher.add_peer
-    pusher.add_peer = lambda md: loads.append(md) or load(md)  # count P's loads
+    pusher.add_peer = lambda md, mem: loads.append(md) or load(md, mem)  # count P's loads
     ds: list[InProcessD] = []
     try:
         real = InProcessD(f"eng-d0-tp0-{tag}")
