@@ -26,6 +26,7 @@ def agent(name: str, metadata: str | None = None, block_len: int = 64) -> proto.
 def world(clock):
     fabric = FakeFabric()
     local = FakeTransport("eng-d-tp0-me", fabric)
+    local.enter_thread()  # the test thread plays the role's thread
     for name in ("eng-p-tp0-a", "eng-p-tp0-b", "eng-q-tp0-c"):
         FakeTransport(name, fabric)
     return local, AgentCache(local, REGIONS, "P", clock=clock, idle_ttl_s=10.0)

@@ -111,6 +111,9 @@ def world():
     d.shutdown()
     for p in made:
         p.close()
+    # Every transport call came from a thread that ran the thread hook.
+    assert d_transport.unhooked_calls == []
+    assert all(p.transport.unhooked_calls == [] for p in made)
 
 
 class Driver:

@@ -58,8 +58,8 @@ class GatedTransport(FakeTransport):
         self.gate.set()
         self.adds: list[str] = []
 
-    def add_peer(self, metadata):
-        name = super().add_peer(metadata)
+    def add_peer(self, metadata, mem_type):
+        name = super().add_peer(metadata, mem_type)
         self.adds.append(name)
         return name
 
@@ -93,9 +93,13 @@ class Rig:
         self.p_addr = ctypes.addressof(self.p_buf)
         self.d_buf = np.zeros(NBYTES, dtype=np.uint8)
         self.d_addr = self.d_buf.ctypes.data
+        # The test thread plays both workers' step threads (PDWorker enters
+        # its own in register_kv_caches); the Pusher's thread enters itself.
         self.p_t = GatedTransport("p-agent", self.fabric)
+        self.p_t.enter_thread()
         self.p_t.register([(self.p_addr, NBYTES)], "DRAM", 0)
         self.d_t = FakeTransport(D_AGENT, self.fabric)
+        self.d_t.enter_thread()
         self.d_t.register([(self.d_addr, NBYTES)], "DRAM", 0)
         self.receiver = PushReceiver(self.d_t)
         self.log: list = []
@@ -161,6 +165,8 @@ def rig():
     r = Rig()
     yield r
     r.close()
+    # Every transport call came from a thread that ran the thread hook.
+    assert r.p_t.unhooked_calls == [] == r.d_t.unhooked_calls
 
 
 def spec(pd_id="pd1", token="") -> PushRecvSpec:
@@ -344,6 +350,7 @@ def test_an_order_whose_agent_is_not_what_it_claims_fails_alone(rig, claim):
     assert releases(rig, "pd1")[0].ok is True and rig.p_t.adds == [D_AGENT]
     evil_buf = np.zeros(NBYTES, dtype=np.uint8)
     evil_t = FakeTransport(EVIL, rig.fabric)
+    evil_t.enter_thread()
     evil_t.register([(evil_buf.ctypes.data, NBYTES)], "DRAM", 0)
     real_regions, evil_regions = regions(rig.d_addr), regions(evil_buf.ctypes.data)
     half = [proto.Region(r.base_addr, BLOCK, BLOCK // 2, NUM_BLOCKS) for r in real_regions]

@@ -198,6 +198,7 @@ class PushRig:
         self.fabric = FakeFabric()
         self.bufs: list[ctypes.Array[ctypes.c_uint8]] = []
         self.p_t = GatedTransport("eng-p-tp0-p", self.fabric)
+        self.p_t.enter_thread()  # the test thread plays P's step thread
         self.p_t.register([(self._buf(), NBYTES)], "DRAM", 0)
         self.leases = LeaseService(LeaseTable(30.0, time.monotonic))
         self.port = free_port()
@@ -220,6 +221,7 @@ class PushRig:
 
     def d_agent(self, engine: str) -> FakeTransport:
         t = FakeTransport(f"{engine}-tp0-x", self.fabric)
+        t.enter_thread()
         t.register([(self._buf(), NBYTES)], "DRAM", 0)
         return t
 

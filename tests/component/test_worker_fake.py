@@ -136,6 +136,9 @@ def make_pair():
     yield make
     for pair in pairs:
         pair.close()
+    for pair in pairs:
+        # Every transport call came from a thread that ran the thread hook.
+        assert pair.d_transport.unhooked_calls == [] == pair.p_transport.unhooked_calls
 
 
 def drive(worker: PDWorker, meta: PDConnectorMetadata | None, until: set[str],

@@ -218,7 +218,10 @@ async def test_open_loop_a_slow_server_does_not_delay_later_sends(engine):
     trace = [req(i, 0.05 * i) for i in range(10)]
     results, duration = await run_point([eng.url], "m", trace, timeout_s=10, progress=False)
     assert all(r.ok for r in results)
-    assert max(r.sent_s - r.scheduled_s for r in results) < 0.15
+    # A closed loop would send each request a whole hold (1 s) late; 0.5 s
+    # still tells the two apart on a loaded machine (0.16 s seen under CI
+    # with other work running).
+    assert max(r.sent_s - r.scheduled_s for r in results) < 0.5
     assert max(eng.arrivals) - min(eng.arrivals) < 0.8  # closed loop: over 9 s
     assert 1.0 + 0.45 <= duration < 2.5
     assert all(r.ttft_s >= 1.0 for r in results)

@@ -117,7 +117,7 @@ def read_from_killed(conn, metadata: bytes, remote_addr: int, block: int) -> Non
             t.release(handle)
         return state.value
 
-    peer = t.add_peer(metadata)
+    peer = t.add_peer(metadata, "DRAM")
     first = read(0, 20.0)
     conn.send(("read", first, ctypes.string_at(addr, block)))
     conn.recv()  # "killed"

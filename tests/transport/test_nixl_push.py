@@ -127,7 +127,7 @@ def expected_target(pusher_addr: int, target_addr: int, descs) -> bytes:
 
 
 def test_write_lands_before_its_notification(target, pusher):
-    peer = pusher.add_peer(target.metadata)
+    peer = pusher.add_peer(target.metadata, "DRAM")
     descs = build_descriptors(SRC, DST, regions(pusher.addr), regions(target.addr))
     assert len(descs) == 2 * LAYERS  # [5,6]->[1,2] and [7]->[9] per layer
     assert write(pusher, peer, descs, proto.push_notif("pd-1", "ab12")) is XferState.DONE
@@ -147,7 +147,7 @@ def test_write_lands_before_its_notification(target, pusher):
 
 
 def test_write_to_unregistered_range_fails(target, pusher):
-    peer = pusher.add_peer(target.metadata)
+    peer = pusher.add_peer(target.metadata, "DRAM")
     outside = target.addr + target.nbytes + (1 << 20)
     for bad in ([(pusher.addr, outside, BLOCK)],
                 [(pusher.addr, target.addr + target.nbytes - BLOCK, 2 * BLOCK)]):
@@ -229,7 +229,7 @@ def test_pusher_keeps_the_real_agent_and_reaps_departed_ones(pusher):
 
     loads: list[bytes] = []
     load = pusher.add_peer
-    pusher.add_peer = lambda md: loads.append(md) or load(md)  # count P's loads
+    pusher.add_peer = lambda md, mem: loads.append(md) or load(md, mem)  # count P's loads
     ds: list[InProcessD] = []
     try:
         real = InProcessD(f"eng-d0-tp0-{tag}")

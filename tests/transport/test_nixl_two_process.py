@@ -106,7 +106,7 @@ def initiator():
 
 
 def test_read_coalesced_ranges(target, initiator):
-    peer = initiator.t.add_peer(target.metadata)
+    peer = initiator.t.add_peer(target.metadata, "DRAM")
     assert isinstance(peer, str) and peer
     local_ids = [0, 1, 2, 10, 11, 20]
     remote_ids = [5, 6, 7, 3, 4, 31]
@@ -133,7 +133,7 @@ def test_read_coalesced_ranges(target, initiator):
 
 
 def test_read_unregistered_remote_range_raises(target, initiator):
-    peer = initiator.t.add_peer(target.metadata)
+    peer = initiator.t.add_peer(target.metadata, "DRAM")
     outside = target.addr + target.nbytes + (1 << 20)
     with pytest.raises(TransportError):
         initiator.t.post_read(peer, [(initiator.addr, outside, BLOCK)], 0)
@@ -150,7 +150,7 @@ def test_unknown_peer_and_bad_metadata(initiator):
     with pytest.raises(TransportError):
         initiator.t.post_read("no-such-agent", [(initiator.addr, 0x1000, BLOCK)], 0)
     with pytest.raises(TransportError):
-        initiator.t.add_peer(b"definitely not nixl metadata")
+        initiator.t.add_peer(b"definitely not nixl metadata", "DRAM")
 
 
 def test_killed_peer_fails_rather_than_hangs(target):

@@ -21,17 +21,23 @@ Contract (who calls what, on which thread, in which order):
 3. ``agent_name`` / ``metadata()``: read once by ``register_kv_caches`` into
    the worker's ``AgentInfo``, which peers receive over the side channel
    (pull: in P's ``HandshakeReply``; push: in D's ``PushRegister``).
-4. ``add_peer(metadata)`` loads a peer's metadata and returns the peer name
-   used below (``TransportError`` if refused); ``remove_peer(peer)`` drops
+4. ``add_peer(metadata, mem_type)`` loads a peer's metadata and returns the
+   peer name used below (``TransportError`` if refused); ``mem_type`` is the
+   memory the peer registered (``AgentInfo.mem_type``), which the remote
+   side of every transfer with it names. ``remove_peer(peer)`` drops
    it when it failed or restarted and no transfer with it is in flight
    (never raises). Pull: D's step thread after a handshake; push: P's
-   ``pd-push`` thread on the first order for a D agent.
+   ``pd-push`` thread on the first order for a D agent. Which memory types
+   may pair is the caller's decision (``worker.peers.AgentCache`` refuses a
+   peer whose memory type differs from ours); a transport serves both.
 5. ``post_read(peer, descs, remote_device_id)`` (pull, D's ``pd-post``
    thread) and ``post_write(peer, descs, remote_device_id, notif)`` (push,
    P's ``pd-push`` thread) start a transfer of ``(local_addr, remote_addr,
-   nbytes)`` descriptors and return a handle; ``TransportError`` if it
-   could not be posted (nothing in flight). On one host the copy may run
-   inside the call. A WRITE delivers ``notif`` to the peer after the data.
+   nbytes)`` descriptors, the remote ranges in the peer's memory type on its
+   device ``remote_device_id`` (``AgentInfo.device_id``), and return a
+   handle; ``TransportError`` if it could not be posted (nothing in
+   flight). On one host the copy may run inside the call. A WRITE delivers
+   ``notif`` to the peer after the data.
 6. ``poll(handle)`` returns ``PROC``, ``DONE`` or ``ERR`` (errors are
    reported as ``ERR``, never raised): pull, once on the ``pd-post`` thread
    right after the post, then on D's step thread; push, on ``pd-push``.
@@ -50,16 +56,30 @@ One transport is thus called from up to three threads at once (the step
 thread, ``pd-post`` or ``pd-push``, and ``pd-nixl-progress``); the NIXL
 implementation runs its agent in NIXL's strict thread-safe mode
 (``NIXL_THREAD_SYNC_STRICT``).
+
+Threads: every thread that calls a transport calls ``enter_thread()`` first,
+which runs the hook ``set_thread_hook`` installed (``PDWorker`` installs it
+before ``register``: on a CUDA KV cache it sets the thread's CUDA device, as
+UCX turns ``cuda_ipc`` off for a thread without one; on CPU it does nothing).
+The step thread enters in ``register_kv_caches``, ``pd-post`` through its
+executor's initializer, ``pd-push`` when it starts, ``pd-nixl-progress``
+(started here) when it starts. NIXL's own progress thread
+(``nixl_progress_thread: true``) and UCX's threads are not ours to hook.
+``fake.FakeTransport`` refuses a call from a thread that did not enter.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.coalesce import Descriptor
+
+logger = get_logger(__name__)
 
 
 class XferState(enum.Enum):
@@ -74,18 +94,41 @@ class TransportError(RuntimeError):
 
 class Transport(abc.ABC):
     agent_name: str
+    #: The local KV memory, as ``register`` was given it ("DRAM" or "VRAM").
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    #: Run by ``enter_thread`` (``set_thread_hook``); None: nothing to do.
+    _thread_hook: Callable[[], None] | None = None
+
+    def set_thread_hook(self, hook: Callable[[], None]) -> None:
+        """What every thread calling this transport runs first (``enter_thread``)."""
+        self._thread_hook = hook
+
+    def enter_thread(self) -> None:
+        """Run the thread hook on the calling thread, before its first call.
+        A failing hook is logged, not raised: the thread's transfers still
+        work (on CUDA, without UCX's ``cuda_ipc``)."""
+        if self._thread_hook is None:
+            return
+        try:
+            self._thread_hook()
+        except Exception:
+            logger.exception("PDConnector: the transport's thread hook failed on thread %s",
+                             threading.current_thread().name)
 
     @abc.abstractmethod
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, device_id: int) -> None:
-        """Register ``(addr, nbytes)`` ranges of local KV memory."""
+        """Register ``(addr, nbytes)`` ranges of local KV memory (``mem_type``
+        "DRAM" or "VRAM", on device ``device_id``)."""
 
     @abc.abstractmethod
     def metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer``."""
 
     @abc.abstractmethod
-    def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata; returns its name."""
+    def add_peer(self, metadata: bytes, mem_type: str) -> str:
+        """Load a peer's metadata; returns its name. ``mem_type`` is the
+        memory the peer registered (its ``AgentInfo.mem_type``)."""
 
     @abc.abstractmethod
     def remove_peer(self, peer: str) -> None: ...

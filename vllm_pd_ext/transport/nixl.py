@@ -57,8 +57,9 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL could not create its {'/'.join(backends)} backend "
                                  f"({exc}): {hint}") from exc
         self._reg: list[Any] = []
-        self._mem_type = "DRAM"
-        self._device_id = 0
+        #: Each loaded peer's memory type (its ``AgentInfo.mem_type``): the
+        #: remote descriptors of a transfer with it name that memory.
+        self._peer_mem: dict[str, str] = {}
         self._notifs: list[bytes] = []
         self._notif_lock = threading.Lock()
         #: Pull mode: nobody takes notifications, so they are not kept.
@@ -83,6 +84,7 @@ class NixlTransport(Transport):
             return
 
         def run() -> None:
+            self.enter_thread()
             while not self._pump_stop.wait(interval_s):
                 try:
                     if self._collect_notifs() and on_notif is not None:
@@ -122,8 +124,8 @@ class NixlTransport(Transport):
         return out
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, device_id: int) -> None:
-        self._mem_type = mem_type
-        self._device_id = device_id
+        self.mem_type = mem_type
+        self.device_id = device_id
         descs = [(addr, nbytes, device_id, "") for addr, nbytes in regions]
         try:
             self._reg.append(self._agent.register_memory(descs, mem_type))
@@ -133,14 +135,17 @@ class NixlTransport(Transport):
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, mem_type: str) -> str:
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransportError(f"NIXL rejected peer metadata: {exc}") from exc
-        return name.decode() if isinstance(name, bytes) else str(name)
+        peer = name.decode() if isinstance(name, bytes) else str(name)
+        self._peer_mem[peer] = mem_type
+        return peer
 
     def remove_peer(self, peer: str) -> None:
+        self._peer_mem.pop(peer, None)
         try:
             self._agent.remove_remote_agent(peer)
         except Exception as exc:  # already gone: nothing to undo
@@ -155,11 +160,14 @@ class NixlTransport(Transport):
 
     def _post(self, op: str, peer: str, descs: Sequence[Descriptor], remote_device_id: int,
               notif: bytes) -> Any:
-        local = [(loc, n, self._device_id) for loc, _, n in descs]
+        remote_mem = self._peer_mem.get(peer)
+        if remote_mem is None:
+            raise TransportError(f"NIXL {op} with {peer}: not a loaded peer")
+        local = [(loc, n, self.device_id) for loc, _, n in descs]
         remote = [(rem, n, remote_device_id) for _, rem, n in descs]
         try:
-            ldl = self._agent.get_xfer_descs(local, self._mem_type)
-            rdl = self._agent.get_xfer_descs(remote, self._mem_type)
+            ldl = self._agent.get_xfer_descs(local, self.mem_type)
+            rdl = self._agent.get_xfer_descs(remote, remote_mem)
             handle = self._agent.initialize_xfer(op, ldl, rdl, peer, notif)
         except Exception as exc:
             raise TransportError(f"NIXL could not prepare a {op} with {peer}: {exc}") from exc

@@ -51,7 +51,13 @@ from vllm_pd_ext.wire.protocol import ErrorCode
 from vllm_pd_ext.wire.side_channel import SideChannelError
 from vllm_pd_ext.wire.specs import RecvSpec
 from vllm_pd_ext.wire.telemetry import TransferRecord
-from vllm_pd_ext.worker.peers import PEER_IDLE_TTL_S, AgentCache, CachedAgent, layout_problem
+from vllm_pd_ext.worker.peers import (
+    PEER_IDLE_TTL_S,
+    AgentCache,
+    CachedAgent,
+    layout_problem,
+    memory_problem,
+)
 
 logger = get_logger(__name__)
 
@@ -157,7 +163,9 @@ class PullReader:
                                 idle_ttl_s=outbox.LANE_IDLE_TTL_S,
                                 fail_queued_on_timeout=True, auth=auth)
         # One thread: posts are serialised, never concurrent with each other.
-        self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-post")
+        # It runs the transport's thread hook first (its CUDA device on GPU).
+        self._poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-post",
+                                          initializer=transport.enter_thread)
         self._peers: dict[PeerKey, _PeerEntry] = {}
         self.agents = AgentCache(transport, regions, "P", clock=clock,
                                  idle_ttl_s=PEER_IDLE_TTL_S)
@@ -283,6 +291,9 @@ class PullReader:
         problem = layout_problem(reply.agent, self.regions)
         if problem:
             raise LoadFailed(FailureReason.LAYOUT, problem)
+        problem = memory_problem(reply.agent, self.transport.mem_type)
+        if problem:
+            raise LoadFailed(FailureReason.INCOMPATIBLE, problem)
         claimed = reply.agent.agent_name
         if not claimed.startswith(f"{engine_id}-tp{self.tp_rank}-"):
             raise LoadFailed(FailureReason.HANDSHAKE,

@@ -2,8 +2,10 @@
 
 Lifecycle:
 
-1. ``register_kv_caches``: describe each layer's KV tensor as block regions,
-   register the memory with the transport (NIXL: DRAM on CPU, VRAM on GPU),
+1. ``register_kv_caches``: check ``kv_buffer_device`` against where the KV
+   is (``device.py``), describe each layer's KV tensor as block regions,
+   install the transport's thread hook, register the memory with the
+   transport (NIXL: DRAM on CPU, VRAM on GPU),
    start this rank's role and publish ``PDHandshakeMetadata`` for the
    scheduler's side channel. Roles, one module each:
 
@@ -37,6 +39,7 @@ from vllm_pd_ext.wire import telemetry
 from vllm_pd_ext.wire.protocol import AgentInfo, Region, TransferMode
 from vllm_pd_ext.wire.telemetry import TransferRecord
 from vllm_pd_ext.wire.wakeup import Waker
+from vllm_pd_ext.worker import device
 from vllm_pd_ext.worker.d_pull import PullReader, RecvJob
 from vllm_pd_ext.worker.d_push import PushReceiver
 from vllm_pd_ext.worker.p_push import Pusher
@@ -73,9 +76,13 @@ class PDWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()))
         num_blocks = self._num_blocks(first)
+        mem = device.kv_memory(first)
+        mem_type, device_id = mem.mem_type, mem.device_id
+        kv_cfg = self.vllm_config.kv_transfer_config
+        # Before anything is registered or started: a kv_buffer_device we
+        # cannot honour stops the engine instead of being ignored.
+        device.check_kv_buffer_device(getattr(kv_cfg, "kv_buffer_device", None), mem)
         self.regions = compat.kv_regions(kv_caches, num_blocks)
-        mem_type = "VRAM" if first.is_cuda else "DRAM"
-        device_id = (first.device.index or 0) if first.is_cuda else 0
         # This worker process's patches of vLLM (its shared-memory queue readers).
         patches.apply(patches.Process.WORKER, patches.Context(cfg=self.cfg))
         if self.transport is None:
@@ -96,8 +103,11 @@ class PDWorker:
             done, tried = prefer_huge_pages(ranges)
             logger.info("PDConnector: KV cache on huge pages: %d of %d MiB", done >> 20,
                         tried >> 20)
+        # Every thread that calls the transport runs this hook first (its
+        # CUDA device on GPU); this step thread too, since it calls it.
+        self.transport.set_thread_hook(device.thread_hook(mem))
+        self.transport.enter_thread()
         self.transport.register(sorted(ranges.items()), mem_type, device_id)
-        kv_cfg = self.vllm_config.kv_transfer_config
         push = self.cfg.transfer_mode is TransferMode.PUSH
         # The transfer's target must progress for UCX wire-up (and, in push,
         # to collect notifications): P in pull mode, D in push mode.

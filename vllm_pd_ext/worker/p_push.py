@@ -102,6 +102,8 @@ class Pusher:
         self._thread.start()
 
     def _run(self) -> None:
+        # Every NIXL call of this role (add_peer included) is on this thread.
+        self.transport.enter_thread()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():

@@ -7,10 +7,11 @@ agent name (NIXL's own identity for the remote agent):
 
 1. ``load``: the claimed name must be the named engine's agent for that rank
    (``<engine_id>-tp<rank>-...``, as ``PDWorker`` names agents), its KV layout
-   must match ours, and NIXL's name for the loaded metadata must be the one
-   claimed. An agent already cached under that name is returned only to the
-   same owner with the same metadata; anything else fails that caller's
-   transfer (``AgentMismatch``) and unloads nothing cached.
+   and memory type (DRAM or VRAM, ``memory_problem``) must match ours, and
+   NIXL's name for the loaded metadata must be the one claimed. An agent
+   already cached under that name is returned only to the same owner with
+   the same metadata; anything else fails that caller's transfer
+   (``AgentMismatch``) and unloads nothing cached.
 2. ``acquire`` / ``release`` around every transfer posted on it.
 3. ``retire``: the agent must go (a failed transfer, a peer that restarted);
    it is removed once no transfer uses it, never before.
@@ -83,14 +84,15 @@ class AgentCache:
                                     f"which belongs to {_describe(cached.owner)}")
             cached.retired = False
             return cached
-        problem = layout_problem(agent, self.regions)
+        problem = (layout_problem(agent, self.regions)
+                   or memory_problem(agent, self.transport.mem_type))
         if problem:
             raise TransportError(problem)
         # A loaded agent's metadata under another name: refused without
         # loading it again (a miss only, so the scan is rare).
         other = next((a.name for a in self._agents.values()
                       if a.agent.agent_metadata == agent.agent_metadata), None)
-        loaded = other or self.transport.add_peer(agent.agent_metadata)
+        loaded = other or self.transport.add_peer(agent.agent_metadata, agent.mem_type)
         if loaded != name:
             if loaded not in self._agents:  # never unload an agent in use
                 self._unload(loaded)
@@ -153,6 +155,19 @@ def layout_problem(agent: proto.AgentInfo, regions: list[proto.Region]) -> str:
     if len(agent.regions) != len(regions) or any(
             a.block_len != b.block_len for a, b in zip(agent.regions, regions, strict=False)):
         return "the peer's KV region layout differs from ours"
+    return ""
+
+
+def memory_problem(agent: proto.AgentInfo, mem_type: str) -> str:
+    """Why a peer's KV memory cannot pair with ours ("" if it can).
+
+    NIXL could move DRAM <-> VRAM, but a host-memory KV cache is not paired
+    with a GPU one: nothing of ours tests that path (its UCX transports,
+    its throughput), so it is refused, naming both types."""
+    if agent.mem_type != mem_type:
+        return (f"the peer's KV cache is in {agent.mem_type} and ours in {mem_type}: "
+                "PDConnector pairs only engines whose KV caches are in the same memory "
+                "type (both DRAM or both VRAM)")
     return ""
 
 

@@ -96,7 +96,7 @@ def _measure(sizes: tuple[int, ...], reps: int, timeout_s: float,
             raise RuntimeError("the NIXL target process did not start")
         metadata, remote = parent.recv()
         me.register([(local_addr, largest)], mem, dev)
-        peer = me.add_peer(metadata)
+        peer = me.add_peer(metadata, mem)  # both ends register the same type
         points = []
         for size in sorted(sizes):
             times = []
