@@ -234,6 +234,8 @@ UPSTREAM_PATHS = {
     "src/ucs/sys/sock.c",
     "tests/v1/kv_connector/nixl_integration/toy_proxy_server.py",
     "examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py",
+    "vllm/v1/worker/gpu/kv_connector.py",
+    "kv_connector_model_runner_mixin.py",
 }
 
 
