@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vllm_pd_ext.testing.engines import REPO, Engine
+from vllm_pd_ext.testing.netns import pid_alive
 
 #: Memory one tiny-model engine takes (its three processes), with a margin:
 #: a full run on a 24 GiB machine peaked at 18.1 GiB used with 10 engines,
@@ -46,16 +47,6 @@ def default_cap() -> int:
         return int(os.environ[MAX_ENGINES_ENV])
     total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(4, int((total_gib - RESERVED_GIB) / ENGINE_GIB))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class EngineBudget:
@@ -79,7 +70,7 @@ class EngineBudget:
                 held = {int(k): int(v) for k, v in raw.items()}
             except (ValueError, TypeError, AttributeError):
                 held = {}
-            held = {pid: n for pid, n in held.items() if n > 0 and _alive(pid)}
+            held = {pid: n for pid, n in held.items() if n > 0 and pid_alive(pid)}
             yield held
             f.seek(0)
             f.truncate()

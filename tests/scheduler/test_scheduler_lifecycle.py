@@ -20,6 +20,7 @@ from pdsched import (
     engine_step,
     is_async,
     make_output,
+    merge_outputs,
 )
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
@@ -85,13 +86,7 @@ def outputs_of(core):
 def settle(sched, core):
     """``core`` plus, under async scheduling, the outputs of the steps still
     in flight (the step that finishes a request is processed one step later)."""
-    merged = dict(core)
-    for client, eco in drain(sched).items():
-        if client in merged:
-            merged[client].outputs.extend(eco.outputs)
-        else:
-            merged[client] = eco
-    return merged
+    return merge_outputs(dict(core), drain(sched))
 
 
 def run_until_finished(sched, req, max_steps=20):

@@ -149,12 +149,18 @@ def drain(scheduler: Scheduler) -> dict[int, Any]:
     Merged EngineCoreOutputs; sync: nothing to do."""
     merged: dict[int, Any] = {}
     while is_async(scheduler) and scheduler.pd_inflight:  # type: ignore[attr-defined]
-        for client, eco in _update_oldest(scheduler).items():
-            if client in merged:
-                merged[client].outputs.extend(eco.outputs)
-            else:
-                merged[client] = eco
+        merge_outputs(merged, _update_oldest(scheduler))
     return merged
+
+
+def merge_outputs(into: dict[int, Any], more: dict[int, Any]) -> dict[int, Any]:
+    """Add ``more``'s EngineCoreOutputs to ``into``, client by client."""
+    for client, eco in more.items():
+        if client in into:
+            into[client].outputs.extend(eco.outputs)
+        else:
+            into[client] = eco
+    return into
 
 
 _ids = itertools.count(1)

@@ -236,7 +236,7 @@ def remove_stale() -> list[str]:
     links = re.findall(rf"\d+: ({PREFIX}\d+h\d+r)[@:]", _ip("link", check=False).stdout)
     for name in set(names) | {link[:-1] for link in links}:
         m = _NAME.match(name)
-        if not m or _alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         _ip("link", "del", name + "r", check=False)
         _ip("netns", "del", name, check=False)
@@ -244,7 +244,8 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (ours or not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
