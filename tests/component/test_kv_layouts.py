@@ -148,6 +148,7 @@ def test_kernel_block_split(layout, kind):
         assert layout.is_block_outermost or not layout.is_block_contiguous
         return
     assert next(iter(views.values())).shape[0] == 4 * NUM_BLOCKS
+    assert compat.kernel_blocks_per_block(views, NUM_BLOCKS) == 4  # told to peers
     if layout.name in BLOCK_INNER or spec.num_heads == 1:
         assert_regions_cover_the_block(raw, views, compat.kv_regions(views, NUM_BLOCKS))
     else:
@@ -159,6 +160,7 @@ def test_kernel_block_split(layout, kind):
 def test_legacy_kv_split_form_gives_k_and_v_regions():
     t = torch.zeros(2, NUM_BLOCKS, 16, 2, 8, dtype=torch.bfloat16)  # [2, B, N, H, D]
     regions = compat.kv_regions({"l0": t}, NUM_BLOCKS)
+    assert compat.kernel_blocks_per_block({"l0": t}, NUM_BLOCKS) == 1
     block = 16 * 2 * 8 * 2
     assert [(r.base_addr, r.block_stride, r.block_len, r.num_blocks) for r in regions] == [
         (t.data_ptr(), block, block, NUM_BLOCKS),
@@ -221,3 +223,24 @@ def test_cpu_and_gpu_engines_are_refused_by_device():
     assert base.diff(gpu) == ["device: ours='cpu' theirs='cuda'"]
     # A peer that predates the field is not refused for it.
     assert base.diff(msgspec.structs.replace(base, device="")) == []
+
+
+def test_peers_with_another_kernel_block_split_are_refused_by_name():
+    """Same block length, other byte order: LBHNC with 8 heads, block 64,
+    split into 4 kernel blocks on one side only."""
+    from vllm_pd_ext.wire import protocol as proto
+    from vllm_pd_ext.worker.peers import layout_problem
+
+    regions = [proto.Region(0x1000, 4096, 4096, NUM_BLOCKS)]
+
+    def agent(kernel_blocks: int) -> proto.AgentInfo:
+        return proto.AgentInfo(tp_rank=0, agent_name="a", agent_metadata=b"", mem_type="DRAM",
+                               kernel_blocks=kernel_blocks, regions=regions)
+
+    assert layout_problem(agent(4), regions, kernel_blocks=4) == ""
+    problem = layout_problem(agent(4), regions, kernel_blocks=1)
+    assert "splits each KV block into 4 kernel block(s) and we into 1" in problem
+    # A peer from before the field: decoded with 1, as it never split.
+    old = proto.AgentInfo(tp_rank=0, agent_name="a", agent_metadata=b"", mem_type="DRAM",
+                          regions=regions)
+    assert old.kernel_blocks == 1 and layout_problem(old, regions) == ""

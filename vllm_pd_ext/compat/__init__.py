@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - older vLLM is not supported
 
 from vllm_pd_ext.compat.layout import (
     compat_info,
+    kernel_blocks_per_block,
     kv_layout_name,
     kv_regions,
     normalize_dtype,
@@ -78,6 +79,7 @@ __all__ = [
     "is_cpu_platform",
     "is_finished_ok",
     "is_rejection_notice",
+    "kernel_blocks_per_block",
     "kv_layout_name",
     "kv_ready_token_ids",
     "kv_regions",

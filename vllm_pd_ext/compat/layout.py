@@ -188,3 +188,15 @@ def kv_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Regi
                 f"{tuple(t.shape)} has no block dimension of {num_blocks} (or a multiple, "
                 f"for kernel blocks) first, nor [2, {num_blocks}, ...]")
     return regions
+
+
+def kernel_blocks_per_block(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> int:
+    """How many kernel blocks vLLM split each manager block into (1: none).
+
+    Two engines must agree on it: in a head-major layout (LBHNC, several
+    heads) a block split into kernel blocks orders its bytes differently
+    from an unsplit one of the same length (``AgentInfo.kernel_blocks``)."""
+    t = next(iter(kv_caches.values()))
+    if t.dim() == 5 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return 1
+    return max(1, int(t.shape[0]) // num_blocks) if num_blocks > 0 else 1

@@ -355,6 +355,9 @@ class AgentInfo(msgspec.Struct, frozen=True, kw_only=True):
     agent_metadata: bytes
     mem_type: str
     device_id: int = 0
+    #: Kernel blocks per KV block (vLLM's kernel-block split; 1: none). Peers
+    #: must agree: a split block orders its bytes differently (compat/layout.py).
+    kernel_blocks: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
     regions: Annotated[list[Region], msgspec.Meta(max_length=1 << 16)]
 
 

@@ -150,7 +150,8 @@ class PullReader:
                  side_channel_timeout_s: float, transfer_timeout_s: float,
                  on_loaded: Callable[[RecvJob, float], None],
                  clock: Callable[[], float] = time.monotonic,
-                 io: Outbox | None = None, auth: FrameAuth | None = None) -> None:
+                 io: Outbox | None = None, auth: FrameAuth | None = None,
+                 kernel_blocks: int = 1) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.compat = compat
@@ -168,7 +169,7 @@ class PullReader:
                                           initializer=transport.enter_thread)
         self._peers: dict[PeerKey, _PeerEntry] = {}
         self.agents = AgentCache(transport, regions, "P", clock=clock,
-                                 idle_ttl_s=PEER_IDLE_TTL_S)
+                                 idle_ttl_s=PEER_IDLE_TTL_S, kernel_blocks=kernel_blocks)
         self._jobs: dict[str, RecvJob] = {}
         self._next_reap = 0.0
         #: Telemetry of the loads that ended since ``take_records``.
@@ -288,7 +289,7 @@ class PullReader:
         diff = self.compat.diff(reply.compat)
         if diff:
             raise LoadFailed(FailureReason.INCOMPATIBLE, "incompatible peer: " + "; ".join(diff))
-        problem = layout_problem(reply.agent, self.regions)
+        problem = layout_problem(reply.agent, self.regions, self.agents.kernel_blocks)
         if problem:
             raise LoadFailed(FailureReason.LAYOUT, problem)
         problem = memory_problem(reply.agent, self.transport.mem_type)

@@ -59,6 +59,8 @@ class PDWorker:
         self.auth = cfg.frame_auth()
         self.transport = transport
         self.regions: list[Region] = []
+        #: Kernel blocks per KV block (compat.kernel_blocks_per_block); peers must agree.
+        self.kernel_blocks = 1
         self.agent: AgentInfo | None = None
         self._report = LoadReport()
         self._stats = PDStats()
@@ -83,6 +85,7 @@ class PDWorker:
         # cannot honour stops the engine instead of being ignored.
         device.check_kv_buffer_device(getattr(kv_cfg, "kv_buffer_device", None), mem)
         self.regions = compat.kv_regions(kv_caches, num_blocks)
+        self.kernel_blocks = compat.kernel_blocks_per_block(kv_caches, num_blocks)
         # This worker process's patches of vLLM (its shared-memory queue readers).
         patches.apply(patches.Process.WORKER, patches.Context(cfg=self.cfg))
         if self.transport is None:
@@ -128,13 +131,14 @@ class PDWorker:
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
             self.pusher = Pusher(self.engine_id, self.tp_rank, self.transport, self.regions,
                                  own, self.cfg.transfer_timeout, self.cfg.handshake_timeout,
-                                 on_write=self._record_write, auth=self.auth)
+                                 on_write=self._record_write, auth=self.auth,
+                                 kernel_blocks=self.kernel_blocks)
         if push and kv_cfg.is_kv_consumer:
             self.receiver = PushReceiver(self.transport)
         self.agent = AgentInfo(
             tp_rank=self.tp_rank, agent_name=self.transport.agent_name,
             agent_metadata=self.transport.metadata(), mem_type=mem_type, device_id=device_id,
-            regions=self.regions)
+            kernel_blocks=self.kernel_blocks, regions=self.regions)
         logger.info("PDConnector: worker rank %d registered %d KV regions (%d blocks, %d B "
                     "per block) with %s", self.tp_rank, len(self.regions), num_blocks,
                     self.regions[0].block_len, type(self.transport).__name__)
@@ -182,7 +186,7 @@ class PDWorker:
                 self.engine_id, self.tp_rank, self.compat, self.transport, self.regions,
                 side_channel_timeout_s=self.cfg.handshake_timeout,
                 transfer_timeout_s=self.cfg.transfer_timeout, on_loaded=self._loaded,
-                auth=self.auth)
+                auth=self.auth, kernel_blocks=self.kernel_blocks)
         return self.reader
 
     def _advance_pull(self) -> None:

@@ -79,7 +79,7 @@ class Pusher:
                  transfer_timeout_s: float, notify_timeout_s: float,
                  on_write: Callable[[int, int, int, float], None] | None = None,
                  peer_idle_ttl_s: float = PEER_IDLE_TTL_S,
-                 auth: FrameAuth | None = None) -> None:
+                 auth: FrameAuth | None = None, kernel_blocks: int = 1) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self.transport = transport
@@ -89,7 +89,8 @@ class Pusher:
         self.peer_idle_ttl_s = peer_idle_ttl_s
         self._on_write = on_write
         self._outbox = Outbox(notify_timeout_s, name="pd-push-result", auth=auth)
-        self._agents = AgentCache(transport, regions, "D", idle_ttl_s=peer_idle_ttl_s)
+        self._agents = AgentCache(transport, regions, "D", idle_ttl_s=peer_idle_ttl_s,
+                                  kernel_blocks=kernel_blocks)
         self._inflight: list[_Write] = []
         self._next_reap = 0.0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()

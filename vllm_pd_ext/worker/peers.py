@@ -55,9 +55,10 @@ class CachedAgent:
 class AgentCache:
     def __init__(self, transport: Transport, regions: list[proto.Region], peer: str,
                  clock: Callable[[], float] = time.monotonic,
-                 idle_ttl_s: float = PEER_IDLE_TTL_S) -> None:
+                 idle_ttl_s: float = PEER_IDLE_TTL_S, kernel_blocks: int = 1) -> None:
         self.transport = transport
         self.regions = regions
+        self.kernel_blocks = kernel_blocks
         #: Which side the agents are, for messages: "P" (pull) or "D" (push).
         self.peer = peer
         self.what = f"{peer} agent"
@@ -84,7 +85,7 @@ class AgentCache:
                                     f"which belongs to {_describe(cached.owner)}")
             cached.retired = False
             return cached
-        problem = (layout_problem(agent, self.regions)
+        problem = (layout_problem(agent, self.regions, self.kernel_blocks)
                    or memory_problem(agent, self.transport.mem_type))
         if problem:
             raise TransportError(problem)
@@ -150,11 +151,16 @@ class AgentCache:
             logger.exception("PDConnector: removing %s %s failed", self.what, name)
 
 
-def layout_problem(agent: proto.AgentInfo, regions: list[proto.Region]) -> str:
+def layout_problem(agent: proto.AgentInfo, regions: list[proto.Region],
+                   kernel_blocks: int = 1) -> str:
     """Why a peer's KV regions cannot pair with ours block for block ("" if they can)."""
     if len(agent.regions) != len(regions) or any(
             a.block_len != b.block_len for a, b in zip(agent.regions, regions, strict=False)):
         return "the peer's KV region layout differs from ours"
+    if agent.kernel_blocks != kernel_blocks:
+        return (f"the peer splits each KV block into {agent.kernel_blocks} kernel block(s) "
+                f"and we into {kernel_blocks}: the bytes within a block are ordered "
+                "differently (give both engines the same attention backend and block size)")
     return ""
 
 
