@@ -45,7 +45,9 @@ def make_scheduler(request):
 
     def make(kv_role="kv_consumer", num_blocks=64, policy="fail", **extra):
         extra.setdefault("side_channel_port", free_port())
-        extra.setdefault("handshake_timeout", 0.2)
+        # 1 s, not less: a release to the fake P timed out at 0.2 s in CI, with
+        # two e2e lanes starting engines beside this tier.
+        extra.setdefault("handshake_timeout", 1.0)
         cfg = create_vllm_config(kv_role, extra=extra, kv_load_failure_policy=policy,
                                  engine_id=f"eng-{kv_role}")
         sched = create_scheduler(cfg, num_blocks=num_blocks, mode=request.param)
