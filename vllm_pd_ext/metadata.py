@@ -42,6 +42,9 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
     #: Push consumers: the worker's wake socket for the scheduler's idle wait
     #: (``wire.wakeup.Waker``).
     wake_endpoint: str | None = None
+    #: Transfer targets: the bell of the worker's progress pump, rung by the
+    #: scheduler half when a peer starts working with us (``wire.pump_bell``).
+    pump_endpoint: str | None = None
 
 
 @dataclass

@@ -370,3 +370,26 @@ def test_pin_fields_default_for_older_peers():
                                   "tp_rank": 0})
     msg = proto.decode_request(old)
     assert isinstance(msg, proto.LeaseRelease) and msg.consumer == ""
+
+
+def test_well_formed_messages_ring_the_pump_and_garbage_does_not(service, client):
+    """``on_activity`` (the workers' pump bell) runs for each message a peer
+    may act on: handshakes and lease messages, not malformed or
+    incompatible ones."""
+    port = free_port()
+    rings: list[int] = []
+    srv = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, service,
+                            on_activity=lambda: rings.append(1))
+    try:
+        with pytest.raises(SideChannelError, match="incompatible"):
+            client.request(HOST, port, proto.HandshakeRequest(
+                engine_id="eng-d", tp_rank=0, compat=compat(block_size=32)))
+        assert srv.handle(b"\xc1garbage").code == "malformed"  # type: ignore[union-attr]
+        assert rings == []
+        client.request(HOST, port, proto.HandshakeRequest(
+            engine_id="eng-d", tp_rank=0, compat=compat()))
+        client.request(HOST, port, proto.LeaseRelease(engine_id="eng-d", request_ids=["r1"],
+                                                      tp_rank=0))
+        assert len(rings) == 2
+    finally:
+        srv.close()

@@ -172,13 +172,12 @@ def test_p_restart_is_detected_and_rehandshaked(fail_engines: dict[str, Engine],
                                                 ref: Engine, model: str) -> None:
     """P restarts on the same ports with a new engine id: D's cached handshake
     is not trusted for the new engine, params from before the restart fail
-    cleanly, and the next handoff works, with KV really moved."""
-    p = fail_engines["p"]
+    cleanly, and the next handoff works, with KV really moved.
 
-    def restart() -> None:
-        p.kill()
-        p.proc.wait(timeout=30)  # type: ignore[union-attr]
-        p.start().wait_ready()
+    One restart serves every check: D has handshaked with the old P (a
+    handoff before it), so the stale params meet a cached handshake of
+    another engine, and the handoff after it needs a new one."""
+    p = fail_engines["p"]
 
     def handoff(seed: int) -> None:
         body = completion_body(model, token_prompt(150, seed=seed), max_tokens=6)
@@ -190,15 +189,16 @@ def test_p_restart_is_detected_and_rehandshaked(fail_engines: dict[str, Engine],
         assert_same_as_reference(ref, got, want)
         assert delta(before, after, EXTERNAL) == 150
 
-    restart()
-    handoff(seed=36)  # D handshakes with the new engine
+    handoff(seed=36)  # D holds a handshake with the engine about to restart
     stale_body = completion_body(model, token_prompt(150, seed=37), max_tokens=6)
     stale = prefill(p, stale_body)
-    restart()
+    p.kill()
+    p.proc.wait(timeout=30)  # type: ignore[union-attr]
+    p.start().wait_ready()
     status, got = d.post("/v1/completions", dict(stale_body, kv_transfer_params=stale))
     assert status >= 500, got  # fail policy: a clean error, not stale KV
     assert "unknown to P (P restarted" in d.log_text()
-    handoff(seed=38)  # and D recovers without a restart of its own
+    handoff(seed=38)  # D handshakes with the new engine, without a restart of its own
     assert d.alive()
 
 

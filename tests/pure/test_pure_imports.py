@@ -34,6 +34,7 @@ PURE = [
     "wire.side_channel",
     "wire.outbox",
     "wire.wakeup",
+    "wire.pump_bell",
     "config",
     "log",
     "tools.sizing.formula",

@@ -27,10 +27,11 @@ from vllm.v1.request import RequestStatus
 
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
-from vllm_pd_ext.metadata import PDConnectorMetadata
+from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from vllm_pd_ext.transport.fake import FakeFabric, FakeTransport
 from vllm_pd_ext.wire import auth
 from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.pump_bell import Bell
 from vllm_pd_ext.wire.side_channel import LeaseService, SideChannelClient, SideChannelServer
 from vllm_pd_ext.worker.dispatcher import PDWorker
 
@@ -198,6 +199,35 @@ def test_p_release_over_real_side_channel(make_scheduler):
     sched.add_request(poke)
     assert num_free(sched) == total + -(-100 // BLOCK_SIZE)
     run_until_finished(sched, poke)
+    assert_empty_after_step(sched)
+
+
+def test_p_rings_its_workers_pump_when_d_pins(make_scheduler):
+    """P's scheduler half rings each rank's pump bell (published in the
+    workers' handshake metadata) when D's pin reaches the side channel: the
+    READ follows, and the target's pump must be fast for it."""
+    sched = make_scheduler("kv_producer")
+    bells = [Bell(), Bell()]
+    agents = [proto.AgentInfo(tp_rank=r, agent_name=f"p-agent-{r}", agent_metadata=b"md",
+                              mem_type="DRAM", regions=[proto.Region(4096, 64, 64, 8)])
+              for r in range(2)]
+    sched.connector.set_xfer_handshake_metadata({
+        r: PDHandshakeMetadata(agent=agents[r], pump_endpoint=bells[r].endpoint)
+        for r in range(2)})
+    req, params = finish_prefill(sched)
+    client = SideChannelClient(2.0)
+    try:
+        assert not bells[0].wait(0.05)  # nothing yet
+        client.request(HOST, params["remote_port"], proto.LeaseRenew(
+            engine_id="eng-d", request_ids=[req.request_id], acquire=True))
+        assert all(b.wait(5.0) for b in bells)
+        client.request(HOST, params["remote_port"], proto.LeaseRelease(
+            engine_id="eng-d", request_ids=[req.request_id], tp_rank=0))
+    finally:
+        client.close()
+        for b in bells:
+            b.close()
+    step(sched)
     assert_empty_after_step(sched)
 
 

@@ -49,6 +49,7 @@ from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.wire import auth
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.protocol import KVTransferParams, TransferMode
+from vllm_pd_ext.wire.pump_bell import BellRinger
 from vllm_pd_ext.wire.side_channel import SideChannelServer
 from vllm_pd_ext.wire.wakeup import IdleWait, should_wait
 
@@ -117,6 +118,9 @@ class PDScheduler:
         self._counters = SchedulerCounters()
         #: D, push: sleeps through empty steps while D waits for P (wire/wakeup.py).
         self.idle: IdleWait | None = None
+        #: Speeds up the workers' progress pumps while a peer works with us
+        #: (transfer targets only; wire/pump_bell.py).
+        self.ringer: BellRinger | None = None
         if (self.consumer is not None and cfg.push_idle_wait_ms > 0
                 and vllm_config.kv_transfer_config.is_kv_consumer):
             self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
@@ -133,9 +137,13 @@ class PDScheduler:
             self.producer.bind_workers(orders)
         if self.idle is not None:
             self.idle.connect([m.wake_endpoint for m in mine.values() if m.wake_endpoint])
+        bells = [m.pump_endpoint for _, m in sorted(mine.items()) if m.pump_endpoint]
+        if bells:
+            self.ringer = BellRinger(bells)
         self._server = SideChannelServer(
             self.bind_host, self.port, self.engine_id, self.compat, agents, self.leases,
-            push=_PushDispatch(self) if self.producer is not None else None, auth=self.auth)
+            push=_PushDispatch(self) if self.producer is not None else None, auth=self.auth,
+            on_activity=self.ringer.ring if self.ringer is not None else None)
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         self.lender.bind(compat.check_block_pool(block_pool))
@@ -213,6 +221,9 @@ class PDScheduler:
         meta = PDConnectorMetadata(reqs_to_recv=out.recv, reqs_to_fail=out.fail,
                                    push_recv=out.push, push_fail=push_fail)
         self._sweep()
+        if self.ringer is not None and self.consumer is not None and self.consumer.num_waiting:
+            # P's WRITEs may land any time now: the pump collects their notifications.
+            self.ringer.ring()
         if self.idle is not None and self.consumer is not None and should_wait(
                 int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)),
                 self.consumer.num_waiting,
@@ -301,6 +312,8 @@ class PDScheduler:
             self.idle.close()
         if self._server is not None:
             self._server.close()
+        if self.ringer is not None:
+            self.ringer.close()
 
 
 def _log_auth(frame_auth: auth.FrameAuth | None, cfg: PDConfig) -> None:

@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,9 +113,17 @@ class Host:
         """``cmd`` run inside this host (``ip netns exec`` execs in place: same PID)."""
         return ["ip", "netns", "exec", self.netns, *cmd]
 
-    def set_link(self, up: bool) -> None:
-        """Partition the host (down) or heal it (up); sockets inside survive."""
+    def set_link(self, up: bool, timeout: float = 5.0) -> None:
+        """Partition the host (down) or heal it (up), and wait until the
+        kernel reports the new state (the carrier comes back asynchronously,
+        later on a loaded machine); sockets inside survive."""
         _ip("link", "set", self.veth_root, "up" if up else "down")
+        deadline = time.monotonic() + timeout
+        while self.link_up() != up:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.veth_root}: link still {'down' if up else 'up'} "
+                                   f"{timeout} s after setting it {'up' if up else 'down'}")
+            time.sleep(0.01)
 
     def link_up(self) -> bool:
         return Path(f"/sys/class/net/{self.veth_root}/operstate").read_text().strip() != "down"

@@ -11,7 +11,7 @@ Contract (who calls what, on which thread, in which order):
    ``PDWorker.register_kv_caches`` on the worker's step thread, after vLLM
    allocated the KV cache. Raises ``TransportError`` if the memory cannot
    be registered.
-2. ``start_progress_pump(interval_s, keep_notifs)``: right after, on the
+2. ``start_progress_pump(interval_s, keep_notifs, on_notif, bell)``: right after, on the
    transfer's target only (P's worker in pull mode, D's in push mode) and
    only when NIXL's own progress thread is off and
    ``nixl_progress_interval_ms`` > 0. ``keep_notifs`` is False in pull mode,
@@ -74,10 +74,13 @@ import abc
 import enum
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.coalesce import Descriptor
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.wire.pump_bell import Bell
 
 logger = get_logger(__name__)
 
@@ -155,11 +158,15 @@ class Transport(abc.ABC):
         """Free a handle; False if the transfer may still touch memory."""
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
-                            on_notif: Callable[[], None] | None = None) -> None:
+                            on_notif: Callable[[], None] | None = None,
+                            bell: Bell | None = None) -> None:
         """Make progress as a transfer target without the engine stepping;
         ``on_notif`` is called from the pump's thread when notifications were
-        kept (D's push worker wakes its scheduler with it)."""
-        return
+        kept (D's push worker wakes its scheduler with it); with ``bell``
+        the pump slows down while no peer works with us and the bell wakes
+        it (``wire/pump_bell.py``); the pump then owns and closes the bell."""
+        if bell is not None:
+            bell.close()
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -90,8 +90,12 @@ class SideChannelServer:
         leases: LeaseService | None,
         push: PushHandler | None = None,
         auth: FrameAuth | None = None,
+        on_activity: Callable[[], None] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        #: Called on this thread for every well-formed message a peer may
+        #: act on (a transfer may follow): rings the workers' pump bells.
+        self.on_activity = on_activity
         self.auth = auth
         #: Frames refused by authentication (``unauthenticated`` replies).
         self.num_unauthenticated = 0
@@ -133,10 +137,25 @@ class SideChannelServer:
                     engine_id, self.address)
 
     def _serve(self) -> None:
+        # The thread owns the socket: ``close`` only asks it to stop, so the
+        # socket is never closed under a poll (a busy handler may outlast
+        # close's join, and zmq sockets are not thread-safe).
+        try:
+            self._serve_until_stopped()
+        finally:
+            self._sock.close()
+            self._ctx.term()
+
+    def _serve_until_stopped(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
+            try:
+                if not poller.poll(200):
+                    continue
+            except zmq.ZMQError as exc:  # e.g. EINTR: never let it end the thread
+                logger.warning("PDConnector: side channel poll failed: %s", exc)
+                self._stop.wait(0.05)
                 continue
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -209,6 +228,8 @@ class SideChannelServer:
             return proto.ErrorReply(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def _dispatch(self, msg: proto.Request) -> proto.Reply:
+        if self.on_activity is not None:
+            self.on_activity()
         return self._handlers[type(msg)](msg)
 
     def _incompatible(self, msg: proto.HandshakeRequest | proto.PushRegister,
@@ -256,10 +277,13 @@ class SideChannelServer:
         return proto.ErrorReply(ErrorCode.NOT_PRODUCER, f"engine {self.engine_id} holds no leases")
 
     def close(self) -> None:
+        """Stop serving; the thread closes the socket once its current
+        message is answered (at most a poll period when idle)."""
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close()
-        self._ctx.term()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            logger.warning("PDConnector: side channel %s still answering a message; it "
+                           "closes when done", self.address)
 
 
 class SideChannelClient:

@@ -37,6 +37,7 @@ from vllm_pd_ext.stats import PDStats
 from vllm_pd_ext.transport import Transport
 from vllm_pd_ext.wire import telemetry
 from vllm_pd_ext.wire.protocol import AgentInfo, Region, TransferMode
+from vllm_pd_ext.wire.pump_bell import Bell
 from vllm_pd_ext.wire.telemetry import TransferRecord
 from vllm_pd_ext.wire.wakeup import Waker
 from vllm_pd_ext.worker import device
@@ -70,6 +71,8 @@ class PDWorker:
         self.pusher: Pusher | None = None
         self.receiver: PushReceiver | None = None
         self.waker: Waker | None = None
+        #: The progress pump's bell (the pump owns it once started).
+        self.bell: Bell | None = None
         #: Telemetry of loads that ended outside the pull reader (push, and
         #: failures the scheduler decided); sent with the step's results.
         self._records: list[TransferRecord] = []
@@ -122,10 +125,12 @@ class PDWorker:
             self.waker = Waker()
         if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
+            # The scheduler half rings it when a peer starts working with us.
+            self.bell = Bell()
             # Only push's receiver takes notifications; in pull they would pile up.
             self.transport.start_progress_pump(
                 self.cfg.nixl_progress_interval_ms / 1e3, keep_notifs=push,
-                on_notif=self.waker.wake if self.waker is not None else None)
+                on_notif=self.waker.wake if self.waker is not None else None, bell=self.bell)
         if push and kv_cfg.is_kv_producer:
             own = (self.cfg.advertised_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
@@ -156,7 +161,8 @@ class PDWorker:
         return PDHandshakeMetadata(
             agent=self.agent,
             order_endpoint=self.pusher.endpoint if self.pusher is not None else None,
-            wake_endpoint=self.waker.endpoint if self.waker is not None else None)
+            wake_endpoint=self.waker.endpoint if self.waker is not None else None,
+            pump_endpoint=self.bell.endpoint if self.bell is not None else None)
 
     # ------------------------------------------------------------- per step
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:

@@ -1,0 +1,71 @@
+"""The progress pump of a real NIXL agent keeps its pace (wire/pump_bell.py):
+fast after it starts, slow once no peer works with it, fast again the
+moment the scheduler half rings its bell, and it closes the bell when the
+transport closes. Rounds are counted, not timed: on a loaded machine both
+paces slow down, but an idle pump can never run more than one round per
+idle period."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_pd_ext.transport.nixl import NixlTransport
+from vllm_pd_ext.wire import pump_bell
+from vllm_pd_ext.wire.pump_bell import Bell, BellRinger
+
+pytestmark = pytest.mark.nixl
+
+LINGER = 0.3
+IDLE = 0.02
+
+
+@pytest.fixture
+def transport(monkeypatch: pytest.MonkeyPatch) -> Iterator[NixlTransport]:
+    monkeypatch.setattr(pump_bell, "LINGER_S", LINGER)
+    monkeypatch.setattr(pump_bell, "IDLE_INTERVAL_S", IDLE)
+    t = NixlTransport(f"pace-test-{os.getpid()}-{time.monotonic_ns()}", ["UCX"],
+                      progress_thread=False)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def rounds_during(t: NixlTransport, seconds: float) -> int:
+    before = t.num_pump_rounds
+    time.sleep(seconds)
+    return t.num_pump_rounds - before
+
+
+def test_idle_pump_slows_down_and_a_ring_speeds_it_up(transport: NixlTransport) -> None:
+    bell = Bell()
+    ringer = BellRinger([bell.endpoint])
+    try:
+        transport.start_progress_pump(0.001, keep_notifs=False, bell=bell)
+        fast = rounds_during(transport, 0.2)
+        time.sleep(LINGER)  # nothing happened: the pump goes idle
+        window = 0.6
+        idle = rounds_during(transport, window)
+        # At most one round per idle period (plus the one in progress).
+        assert idle <= window / IDLE + 2, idle
+        assert fast > 2 * idle * 0.2 / window, (fast, idle)
+        ringer.ring()
+        woken = rounds_during(transport, 0.2)
+        assert woken > 2 * idle * 0.2 / window, (woken, idle)
+        assert bell.num_rings >= 1
+    finally:
+        ringer.close()
+    transport.close()
+    # The pump's thread closed the bell on its way out.
+    assert bell._pull.closed
+
+
+def test_without_a_bell_the_pump_keeps_its_period(transport: NixlTransport) -> None:
+    transport.start_progress_pump(0.001, keep_notifs=False)
+    time.sleep(LINGER)
+    window = 0.6
+    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)
