@@ -18,10 +18,22 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 CONNECTOR_NAME = "PDConnector"
+#: Set to 1 in an engine's environment: its processes quiet vLLM's
+#: shared-memory queue readers though it loads no connector of ours
+#: (``compat/patches.py``, ``quiet_shm_spin_everywhere``).
+QUIET_SPIN_ENV = "VLLM_PD_EXT_QUIET_SHM_SPIN"
 
 
 def register() -> None:
-    """Register ``PDConnector`` with vLLM (idempotent)."""
+    """Register ``PDConnector`` with vLLM (idempotent); with
+    ``VLLM_PD_EXT_QUIET_SHM_SPIN=1``, also quiet vLLM's shared-memory queue
+    readers in this process, for engines that load no connector of ours."""
+    import os
+
     from vllm_pd_ext.compat import register_connector
 
     register_connector(CONNECTOR_NAME, "vllm_pd_ext.connector", CONNECTOR_NAME)
+    if os.environ.get(QUIET_SPIN_ENV) == "1":
+        from vllm_pd_ext.compat import patches
+
+        patches.apply_once(patches.Process.PLUGIN)

@@ -122,3 +122,22 @@ def test_quieted_reader_sleeps_when_idle_and_still_gets_messages(
     assert sorted(lags)[len(lags) // 2] < 0.01, f"median wake-up {sorted(lags)[10] * 1e3:.2f} ms"
     print(f"idle CPU spinning {spinning:.3f} s, quiet {quiet:.4f} s; median wake-up "
           f"{sorted(lags)[10] * 1e6:.0f} us")
+
+
+def test_readers_created_after_the_class_patch_are_quiet(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """``quiet_new_shm_readers`` (the plugin hook's patch, for engines without
+    our connector): a queue built afterwards sleeps instead of spinning and
+    still gets every message; applying it twice changes nothing more."""
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "__init__",
+                        shm_broadcast.SpinCondition.__init__)  # undone after the test
+    assert compat_engine.quiet_new_shm_readers()
+    assert not compat_engine.quiet_new_shm_readers()
+    writer, reader = _pair()
+    assert reader._spin_condition.busy_loop_s == 0
+    calls = _count_waits(monkeypatch, reader)
+    for i in range(20):
+        writer.enqueue(f"m{i}")
+        assert reader.dequeue(timeout=5) == f"m{i}"
+    _idle_cpu(writer, reader, "last")
+    assert calls["yield"] == 0 and calls["poll"] > 0, calls

@@ -29,6 +29,7 @@ from tests.e2e import lanes
 from tests.e2e.conformance import SERVE_ARGS
 from tests.e2e.engine_set import started
 from tests.e2e.helpers import build_model, log_dir
+from vllm_pd_ext import QUIET_SPIN_ENV
 from vllm_pd_ext.testing.engines import Engine
 
 pytestmark = pytest.mark.engine
@@ -76,8 +77,10 @@ class SessionEngines:
         model, logs = self.model, self.logs
         if name == "ref":
             # SERVE_ARGS: what the request-parity cases need (test_conformance.py).
+            # Quiet: a plain engine's queue readers spin 1 s after every
+            # message, about a CPU-second per reference answer on 2 cores.
             return Engine("ref", model, logs, connector=None, cpu_bind="0",
-                          extra_args=SERVE_ARGS)
+                          extra_args=SERVE_ARGS, env={QUIET_SPIN_ENV: "1"})
         if name == "p":
             return Engine("p", model, logs, role="kv_producer", cpu_bind="0",
                           extra_args=SERVE_ARGS)

@@ -1,7 +1,9 @@
 """Patches of the EngineCore's and the workers' internals (see ``patches``).
 
 - ``quiet_shm_spin``: vLLM's shared-memory queue readers sleep on their
-  notification instead of spinning for 1 s after every message;
+  notification instead of spinning for 1 s after every message
+  (``quiet_new_shm_readers``: those created later, in a process without
+  our connector);
 - ``on_engine_shutdown``: the connector hears vLLM's SIGTERM/SIGINT;
 - ``ensure_drain_window``: a SIGTERM drains (``shutdown_timeout``).
 
@@ -47,9 +49,7 @@ def quiet_shm_spin() -> int:
     vLLM's executor); vLLM-version specific, hence here.
     """
     import gc
-    import time
 
-    import zmq
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     changed = 0
@@ -61,21 +61,53 @@ def quiet_shm_spin() -> int:
         spin = getattr(obj, "_spin_condition", None)
         if spin is None or not getattr(spin, "is_reader", False) or not spin.busy_loop_s:
             continue
-
-        def wait(timeout_ms: int | None = None, _spin: Any = spin) -> None:
-            active = time.monotonic() - _spin.last_read < QUIET_ACTIVE_S
-            limit = QUIET_POLL_MS[0] if active else QUIET_POLL_MS[1]
-            if timeout_ms is not None:
-                limit = min(limit, timeout_ms)
-            events = dict(_spin.poller.poll(timeout=limit))
-            if _spin.local_notify_socket in events:
-                # CONFLATE keeps only the last notification: one read empties it.
-                _spin.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
-
-        spin.busy_loop_s = 0
-        spin.wait = wait
+        _quiet(spin)
         changed += 1
     return changed
+
+
+def quiet_new_shm_readers() -> bool:
+    """Quiet (as ``quiet_shm_spin``) every reader of vLLM's shared-memory
+    queues this process creates from now on; False if already done.
+
+    For processes that load no connector of ours, from the plugin hook
+    (``register``), which vLLM calls in the EngineCore and in each worker
+    before they build their queues.
+    """
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    init = SpinCondition.__init__
+    if getattr(init, "_pd_ext_quiet", False):
+        return False
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "is_reader", False) and self.busy_loop_s:
+            _quiet(self)
+
+    __init__._pd_ext_quiet = True  # type: ignore[attr-defined]
+    SpinCondition.__init__ = __init__  # type: ignore[method-assign]
+    return True
+
+
+def _quiet(spin: Any) -> None:
+    """Make one reader's ``SpinCondition`` sleep instead of spinning."""
+    import time
+
+    import zmq
+
+    def wait(timeout_ms: int | None = None, _spin: Any = spin) -> None:
+        active = time.monotonic() - _spin.last_read < QUIET_ACTIVE_S
+        limit = QUIET_POLL_MS[0] if active else QUIET_POLL_MS[1]
+        if timeout_ms is not None:
+            limit = min(limit, timeout_ms)
+        events = dict(_spin.poller.poll(timeout=limit))
+        if _spin.local_notify_socket in events:
+            # CONFLATE keeps only the last notification: one read empties it.
+            _spin.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+
+    spin.busy_loop_s = 0
+    spin.wait = wait
 
 
 def ensure_drain_window(vllm_config: Any, drain_timeout_s: float) -> int:

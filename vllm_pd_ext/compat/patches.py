@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
+from vllm_pd_ext import QUIET_SPIN_ENV
 from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind
 from vllm_pd_ext.compat import engine as engine_patches
 from vllm_pd_ext.compat import serving as serving_patches
@@ -42,6 +43,10 @@ class Process(enum.Enum):
     API_SERVER = "API server"
     ENGINE_CORE = "EngineCore"
     WORKER = "worker"
+    #: Any vLLM process, from the plugin hook (``vllm_pd_ext.register``),
+    #: with or without our connector.
+    PLUGIN = "plugin hook"
+
 
 
 class Skip(Exception):
@@ -151,6 +156,17 @@ def _apply_quiet_shm_spin(ctx: Context) -> str:
     return f"{n} shared-memory queue reader(s) wait on notifications instead of spinning"
 
 
+def _apply_quiet_new_readers(ctx: Context) -> str:
+    import os
+
+    if os.environ.get(QUIET_SPIN_ENV) != "1":
+        raise Skip(f"{QUIET_SPIN_ENV} is not 1")
+    if not is_cpu_platform():
+        raise Skip("not a CPU platform")
+    engine_patches.quiet_new_shm_readers()
+    return "shared-memory queue readers created from now on wait on notifications"
+
+
 def _apply_shutdown_hook(ctx: Context) -> str:
     if ctx.on_shutdown is None:
         raise Skip("no callback")
@@ -197,6 +213,16 @@ PATCHES: tuple[Patch, ...] = (
              _needs(f"{_SHM}.SpinCondition", "def wait"),
              _needs(f"{_SHM}.MessageQueue", "_spin_condition")),
         _apply_quiet_shm_spin),
+    Patch(
+        "quiet_shm_spin_everywhere", f"{_SHM}.SpinCondition.__init__ (readers created later)",
+        _V, (Process.PLUGIN,),
+        "an engine without our connector (a collocated engine, vLLM's own NixlConnector) "
+        "sharing a CPU host spins 1 s after every message too; the tests' reference engine "
+        f"spent about one CPU-second per request so ({QUIET_SPIN_ENV}=1 quiets it)",
+        _all(_needs(f"{_SHM}.SpinCondition.__init__", "busy_loop_s", "is_reader", "poller",
+                    "local_notify_socket"),
+             _needs(f"{_SHM}.SpinCondition", "def wait")),
+        _apply_quiet_new_readers),
     Patch(
         "engine_shutdown_hook", "vllm.v1.engine.core SIGTERM/SIGINT handler (chained)",
         _V, (Process.ENGINE_CORE,),
