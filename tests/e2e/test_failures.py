@@ -142,32 +142,6 @@ def test_hostile_params_fail_their_request_only(p: Engine, d: Engine, ref: Engin
     assert delta(before, after, EXTERNAL) == 140
 
 
-def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
-                                 model: str) -> None:
-    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
-    body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
-    _, want = ref.post("/v1/completions", body)
-    params = prefill(p, body)
-    p.kill()  # SIGKILL: a crash, no goodbye
-    p.proc.wait(timeout=30)  # type: ignore[union-attr]
-
-    # fail: a clean error, D stays up.
-    t0 = time.monotonic()
-    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
-    assert status >= 500, got
-    assert time.monotonic() - t0 < 60
-    assert d.alive()
-
-    # recompute: D prefills locally and the tokens equal the collocated ones.
-    before = d_recompute.metrics()
-    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
-    after = d_recompute.metrics()
-    assert status == 200, got
-    assert_same_as_reference(ref, got, want)
-    assert delta(before, after, EXTERNAL) == 0
-    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
-
-
 def test_p_restart_is_detected_and_rehandshaked(fail_engines: dict[str, Engine], d: Engine,
                                                 ref: Engine, model: str) -> None:
     """P restarts on the same ports with a new engine id: D's cached handshake
@@ -262,3 +236,31 @@ def test_n2_on_one_p_answer_loads_once_and_both_children_answer(
     p_after = p.metrics()
     assert p_after["vllm:kv_cache_usage_perc"] == 0.0  # every lease released...
     assert delta(p_before, p_after, "vllm:pd_ext_lease_expiries_total") == 0  # ...not expired
+
+
+def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
+                                 model: str) -> None:
+    """Last in this module: P stays dead (the restart test restarts it on
+    its own, so the set's engines start once more, not twice)."""
+    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
+    _, want = ref.post("/v1/completions", body)
+    params = prefill(p, body)
+    p.kill()  # SIGKILL: a crash, no goodbye
+    p.proc.wait(timeout=30)  # type: ignore[union-attr]
+
+    # fail: a clean error, D stays up.
+    t0 = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
+    assert status >= 500, got
+    assert time.monotonic() - t0 < 60
+    assert d.alive()
+
+    # recompute: D prefills locally and the tokens equal the collocated ones.
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
+    after = d_recompute.metrics()
+    assert status == 200, got
+    assert_same_as_reference(ref, got, want)
+    assert delta(before, after, EXTERNAL) == 0
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1

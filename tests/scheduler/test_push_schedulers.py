@@ -29,6 +29,7 @@ from vllm_pd_ext.leases.table import LeaseState
 from vllm_pd_ext.metadata import PDHandshakeMetadata
 from vllm_pd_ext.scheduler.pushbook import PushState
 from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.pump_bell import Bell, BellRinger
 from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
 
 HOST = "127.0.0.1"
@@ -364,3 +365,29 @@ def test_abort_result_and_write_release_only_from_the_engine_concerned(pair: Pai
     assert pd(pair.p).producer.num_wrong_sender == 1  # the abort
     assert pd(pair.p).leases.counters().num_wrong_sender == 1  # the release
     assert pd(pair.d).consumer.num_wrong_sender == 1  # the result
+
+
+def test_d_rings_its_pump_on_every_step_while_it_waits_for_writes(pair: Pair) -> None:
+    """While a request waits for P's WRITEs, each step of D rings its
+    workers' pump bell (the pump collects P's notifications fast); once
+    nothing waits, steps ring no more."""
+    bell = Bell()
+    pd(pair.d).ringer = ringer = BellRinger([bell.endpoint])
+    try:
+        d_req, _ = admit_on_d(pair, "pd-ring", 2 * BLOCK_SIZE)
+        assert ringer.num_rings >= 1
+        assert wait_for(lambda: bell.wait(0.05))
+        pair.d.finish_requests(d_req.request_id, RequestStatus.FINISHED_ABORTED)
+        assert wait_push_fail(pair, d_req)[0] == "aborted"
+        step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+        step(pair.d)
+        assert pd(pair.d).consumer.num_waiting == 0
+        ringer._last = -1e9
+        rings = ringer.num_rings
+        step(pair.d)
+        step(pair.d)
+        assert ringer.num_rings == rings
+    finally:
+        pd(pair.d).ringer = None
+        ringer.close()
+        bell.close()
