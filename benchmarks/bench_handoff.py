@@ -207,7 +207,7 @@ def transport_probe(geo: Geometry, lengths: list[int], reps: int, huge: bool
         slab.fill(0)
         t = NixlTransport(f"probe-d-{os.getpid()}", ["UCX"], False)
         t.register([(slab.ctypes.data, slab.nbytes)], "DRAM", 0)
-        peer = t.add_peer(meta)
+        peer = t.add_peer(meta, "DRAM")
 
         def regions(base: int) -> list[Region]:
             return [Region(base + i * nblocks * blen, blen, blen, nblocks)

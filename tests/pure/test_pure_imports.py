@@ -28,6 +28,7 @@ PURE = [
     "scheduler.bidir",
     "scheduler.heartbeats",
     "transport.coalesce",
+    "transport.tp_slices",
     "policy",
     "wire.protocol",
     "wire.auth",
