@@ -141,3 +141,25 @@ def test_readers_created_after_the_class_patch_are_quiet(monkeypatch: pytest.Mon
         assert reader.dequeue(timeout=5) == f"m{i}"
     _idle_cpu(writer, reader, "last")
     assert calls["yield"] == 0 and calls["poll"] > 0, calls
+
+
+def test_the_plugin_hook_quiets_new_readers_only_when_asked(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """``register()`` (vLLM's plugin hook, in every vLLM process) applies
+    ``quiet_shm_spin_everywhere`` with ``VLLM_PD_EXT_QUIET_SHM_SPIN=1`` and
+    leaves vLLM alone without it."""
+    import vllm_pd_ext
+    from vllm_pd_ext.compat import patches
+
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "__init__",
+                        shm_broadcast.SpinCondition.__init__)  # undone after the test
+    monkeypatch.setattr(patches, "_once", {})
+    monkeypatch.delenv(vllm_pd_ext.QUIET_SPIN_ENV, raising=False)
+    vllm_pd_ext.register()
+    assert not getattr(shm_broadcast.SpinCondition.__init__, "_pd_ext_quiet", False)
+    monkeypatch.setattr(patches, "_once", {})
+    monkeypatch.setenv(vllm_pd_ext.QUIET_SPIN_ENV, "1")
+    vllm_pd_ext.register()
+    assert getattr(shm_broadcast.SpinCondition.__init__, "_pd_ext_quiet", False)
+    outcome, = patches._once[patches.Process.PLUGIN]
+    assert (outcome.name, outcome.status) == ("quiet_shm_spin_everywhere", "applied")
