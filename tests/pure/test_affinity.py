@@ -17,13 +17,18 @@ from vllm_pd_ext.compat import affinity
     ("0-3", {0, 1, 2, 3}),
     ("0-1,4,6-7", {0, 1, 4, 6, 7}),
     (" 2 ", {2}),
+    # One set per TP rank: the EngineCore gets what the engine was given.
+    ("0|1", {0, 1}),
+    ("0-3|4-7", set(range(8))),
+    ("0-1 | 6", {0, 1, 6}),
 ])
 def test_explicit_core_lists_parse(spec, cores):
     assert affinity.parse_cpu_list(spec) == cores
 
 
 @pytest.mark.parametrize("spec", [
-    "", "auto", "nobind", "0-3|4-7", "a", "3-1", "1-", "-1", "0,,1", "0-99999", "1.5",
+    "", "auto", "nobind", "0-3|", "|0", "0|a", "a", "3-1", "1-", "-1", "0,,1", "0-99999",
+    "1.5",
 ])
 def test_anything_else_binds_nothing(spec):
     assert affinity.parse_cpu_list(spec) is None

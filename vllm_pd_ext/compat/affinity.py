@@ -15,8 +15,9 @@ operator gave the engine is what that operator asked for.
 
 When: once, as the connector's scheduler half starts in the EngineCore
 process (``bind_engine_core`` in ``kv_connector_extra_config``, on by default), and
-only when the bind is one explicit core list (not ``auto``/``nobind``, not
-one set per rank). Every thread the process has now is moved; threads
+only when the bind names explicit cores (not ``auto``/``nobind``); with one
+set per rank (tensor parallelism, ``0-3|4-7``) the EngineCore gets their
+union. Every thread the process has now is moved; threads
 started later inherit the mask. The API server process is not ours to move.
 """
 
@@ -33,12 +34,23 @@ MAX_CORES = 8192
 
 
 def parse_cpu_list(spec: str) -> set[int] | None:
-    """``"0-3,8,10-11"`` -> cores; None for ``auto``, ``nobind``, an empty or
-    malformed list, or one set per worker rank (``0-3|4-7``), which one
-    process cannot honour."""
+    """``"0-3,8,10-11"`` -> cores; one set per worker rank (``"0-3|4-7"``,
+    tensor parallelism) -> the union of the ranks' cores, which is what the
+    engine was given. None for ``auto``, ``nobind``, or an empty or
+    malformed list (any rank's)."""
     spec = spec.strip()
-    if not spec or spec in ("auto", "nobind") or "|" in spec:
+    if not spec or spec in ("auto", "nobind"):
         return None
+    cores: set[int] = set()
+    for rank_spec in spec.split("|"):
+        rank_cores = _parse_one(rank_spec.strip())
+        if rank_cores is None:
+            return None
+        cores |= rank_cores
+    return cores
+
+
+def _parse_one(spec: str) -> set[int] | None:
     cores: set[int] = set()
     for part in spec.split(","):
         lo, sep, hi = part.strip().partition("-")

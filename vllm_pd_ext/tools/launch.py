@@ -99,6 +99,9 @@ class Engine:
     kv_bytes: int = 256 << 20
     cpu_bind: str | None = None
     max_model_len: int = 2048
+    #: Tensor parallelism (``--tensor-parallel-size``); on CPU give each rank
+    #: its cores in ``cpu_bind`` with ``|`` (``"0|1"``: one core per rank).
+    tp_size: int = 1
     #: The tests' equality oracle takes its near-tie epsilon from this.
     dtype: str = "bfloat16"
     extra_args: list[str] = field(default_factory=list)
@@ -121,6 +124,14 @@ class Engine:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"engine {self.name}: device {self.device!r} is not cpu or cuda")
+        if self.tp_size < 1:
+            raise ValueError(f"engine {self.name}: tp_size {self.tp_size} must be >= 1")
+        ranks = len(self.cpu_bind.split("|")) if self.cpu_bind and "|" in self.cpu_bind else 1
+        if self.device == "cpu" and self.tp_size > 1 and ranks != self.tp_size:
+            # vLLM CPU's default "auto" binding asserts one NUMA node per
+            # rank, which a one-node host does not have.
+            raise ValueError(f"engine {self.name}: tp_size {self.tp_size} on CPU needs one core "
+                             f"set per rank in cpu_bind (e.g. '0|1'), got {self.cpu_bind!r}")
         self.port = self.port or free_port()
         self.side_channel_port = self.side_channel_port or free_port()
         self.log_path = self.log_dir / f"{self.name}.log"
@@ -145,6 +156,8 @@ class Engine:
         else:
             cmd += ["--kv-cache-memory-bytes", str(self.kv_bytes)]
         cmd += ["--max-num-seqs", "32"]
+        if self.tp_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp_size)]
         if self.connector is not None:
             kv: dict[str, Any] = {"kv_connector": self.connector, "kv_role": self.role}
             if self.connector == "PDConnector":
@@ -165,7 +178,8 @@ class Engine:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         cmd += self.extra_args
         if self.taskset and self.cpu_bind is not None and self.device == "cpu":
-            cmd = ["taskset", "-c", self.cpu_bind, *cmd]
+            # One set per TP rank ("0|1"): the engine's processes get them all.
+            cmd = ["taskset", "-c", self.cpu_bind.replace("|", ","), *cmd]
         return self.host.wrap(cmd) if self.host is not None else cmd
 
     def environment(self, base: dict[str, str] | None = None) -> dict[str, str]:
