@@ -68,4 +68,5 @@ def test_without_a_bell_the_pump_keeps_its_period(transport: NixlTransport) -> N
     transport.start_progress_pump(0.001, keep_notifs=False)
     time.sleep(LINGER)
     window = 0.6
-    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)
+    # More rounds than an idle pump could run (it would be at most window / IDLE + 2).
+    assert rounds_during(transport, window) > window / IDLE + 2
