@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import typing
 
@@ -393,3 +394,33 @@ def test_well_formed_messages_ring_the_pump_and_garbage_does_not(service, client
         assert len(rings) == 2
     finally:
         srv.close()
+
+
+def test_close_while_a_handler_is_busy_never_closes_the_socket_under_it(service, client,
+                                                                        monkeypatch):
+    """A handler slower than close's old 2 s join: close waits for the
+    thread, which answers, then closes its own socket (the socket was once
+    closed under the thread's poll and killed it, ENOTSOCK). Afterwards the
+    port can be bound again."""
+    port = free_port()
+    srv = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, service)
+    real = srv._handlers[proto.HandshakeRequest]
+
+    def slow(msg):
+        time.sleep(2.5)
+        return real(msg)
+
+    monkeypatch.setitem(srv._handlers, proto.HandshakeRequest, slow)
+    slow_client = SideChannelClient(timeout_s=10.0)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("reply", slow_client.request(
+        HOST, port, proto.HandshakeRequest(engine_id="eng-d", tp_rank=0, compat=compat()))))
+    t.start()
+    time.sleep(0.3)  # the handler is running
+    srv.close()
+    t.join(timeout=10)
+    slow_client.close()
+    assert isinstance(box.get("reply"), proto.HandshakeReply)
+    assert not srv._thread.is_alive() and srv._sock.closed
+    again = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, service)
+    again.close()
