@@ -7,6 +7,7 @@ shows an unsigned leg sent straight to D being refused.
 
     ./examples/demo.sh                        # pull mode: D reads P's blocks
     ./examples/demo.sh --transfer-mode push   # push mode: P writes into D's blocks
+    ./examples/demo.sh --tp 1,2               # P with TP=1, D with TP=2 (pull)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 from vllm_pd_ext.testing.oracle import compare, near_tie_nats, output_of
+from vllm_pd_ext.tools.launch import parse_tp_pair, tp_bind
 from vllm_pd_ext.wire import auth
 
 PROMPT = (
@@ -34,23 +36,35 @@ PROMPT = (
 ) * 3
 
 
+def tp_sizes(text: str) -> tuple[int, int]:
+    try:
+        return parse_tp_pair(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / ".models/tiny"))
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
+    ap.add_argument("--tp", type=tp_sizes, default=(1, 1), metavar="P,D",
+                    help="tensor-parallel sizes of P and D (on CPU each rank gets a core "
+                         "of its own; a TP=2 engine uses cores 0 and 1)")
     args = ap.parse_args()
+    p_tp, d_tp = args.tp
     logs = REPO / ".runs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     mode = {"transfer_mode": args.transfer_mode}
     # One shared secret for this run: signed side-channel frames and legs.
     env = {auth.DEFAULT_SECRET_ENV: secrets.token_urlsafe(32)}
-    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind="0", extra_config=mode,
-               env=env)
-    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind="1", extra_config=mode,
-               env=env)
+    p = Engine("prefill", args.model, logs, role="kv_producer", cpu_bind=tp_bind(p_tp, "0"),
+               tp_size=p_tp, extra_config=mode, env=env)
+    d = Engine("decode", args.model, logs, role="kv_consumer", cpu_bind=tp_bind(d_tp, "1"),
+               tp_size=d_tp, extra_config=mode, env=env)
     proxy = None
     try:
-        print(f"starting P on :{p.port} and D on :{d.port} (logs in {logs}) ...", flush=True)
+        print(f"starting P (TP={p_tp}) on :{p.port} and D (TP={d_tp}) on :{d.port} (logs in "
+              f"{logs}) ...", flush=True)
         p.start()
         d.start()
         p.wait_ready()

@@ -90,7 +90,7 @@ def test_a_garbled_budget_file_is_read_as_empty(tmp_path: Path) -> None:
 
 
 def test_every_e2e_module_has_a_lane_and_the_drain_ends_its_lane() -> None:
-    modules = sorted(p.name for p in Path(lanes.__file__).parent.glob("test_*.py"))
+    modules = sorted(p.name for p in Path(lanes.__file__).parent.rglob("test_*.py"))
     listed = [m for ms in lanes.LANES.values() for m in ms]
     assert sorted(listed) == modules, "add the module to a lane in tests/e2e/lanes.py"
     assert lanes.LANES[lanes.SESSION][-1] == "test_drain.py"

@@ -40,6 +40,7 @@ def fake_vllm_config(engine_id: str, producer: bool, block_size: int = BLOCK,
         model="tiny-test-model", served_model_name=None, dtype="torch.float32",
         get_num_layers=lambda pc: LAYERS,
         get_num_kv_heads=lambda pc: HEADS,
+        get_total_num_kv_heads=lambda: HEADS,
         get_head_size=lambda: HEAD,
     )
     return SimpleNamespace(
@@ -524,7 +525,8 @@ def test_finished_loads_leave_no_trace_in_the_peer_slot(make_pair):
                                {s.request_id for s in specs})
     assert len(recving) == 5 and not failed
     entry = pair.d_worker.reader._peers[("eng-p", HOST, pair.port)]
-    assert entry.waiting == set() and entry.peer is not None and entry.peer.users == 0
+    assert (entry.waiting == set() and entry.peer is not None
+            and [a.users for a in entry.peer.agents] == [0])
 
 
 def test_unexpected_post_exception_fails_that_load_only(make_pair, monkeypatch):

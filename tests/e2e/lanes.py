@@ -36,6 +36,8 @@ LANES: dict[str, list[str]] = {
     SESSION: [
         "test_pull.py", "test_proxy_e2e.py", "test_conformance.py", "test_d_variants.py",
         "test_oracle.py", "test_concurrency.py", "test_sizing_e2e.py", "test_slo_bench_e2e.py",
+        # TP=2 beside the session's TP=1 P and D (one extra engine, 2 ranks).
+        "test_tp.py",
         # test_push.py's mode-mismatch test also sends legs to the session's P and D.
         "test_failures.py", "test_push.py",
         "test_isolation.py", "test_drain.py",
@@ -43,6 +45,8 @@ LANES: dict[str, list[str]] = {
     OWN_SETS: [
         "test_auth_e2e.py", "test_intree_nixl.py", "test_multiturn.py",
         "test_multiturn_push.py", "test_multihost.py",
+        # Collected only with PD_EXT_TP_MATRIX=1 (tests/e2e/tp_matrix/conftest.py).
+        "test_tp_matrix.py",
     ],
 }
 

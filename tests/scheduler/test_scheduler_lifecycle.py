@@ -510,24 +510,20 @@ def test_d_too_few_remote_blocks_fails_load(make_scheduler):
 
 
 @pytest.mark.parametrize("tp_size", [2, 1024])
-def test_d_tp_size_in_params_is_checked_never_looped_over(make_scheduler, fake_p, tp_size):
-    """Item 2: the rank count is D's own TP size (the handshake refuses a P
-    with another); a request naming another tp_size fails its load at once,
-    naming the field, and nothing is sent per claimed rank."""
+def test_d_tp_size_in_params_is_never_looped_over(make_scheduler, fake_p, tp_size):
+    """Item 2 (issue 26: a P with another TP size may pair): the rank count
+    is D's own TP size. A request naming any tp_size that D's divides is one
+    load (one spec; the handshake checks P's real sharding), admitted at
+    once, and nothing is sent per claimed rank."""
     port, _ = fake_p
     sched = make_scheduler(policy="fail")
     req = create_request(100, kv_transfer_params=remote_params(port, 4, tp_size=tp_size))
     t0 = time.monotonic()
     meta = admit_remote(sched, req)
     assert time.monotonic() - t0 < 1.0
-    assert meta.reqs_to_recv == []
-    reason, why = meta.reqs_to_fail[req.request_id]
-    assert reason == "bad_params" and f"tp_size={tp_size}" in why, why
-    assert "tensor_parallel_size=1" in why
-    step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
-    assert req.status is RequestStatus.FINISHED_ERROR
-    assert pd(sched).heartbeats.num_lanes == 0  # no heartbeat or release ever left
-    assert_empty_after_step(sched)
+    assert [s.request_id for s in meta.reqs_to_recv] == [req.request_id]
+    assert meta.reqs_to_fail == {}
+    assert pd(sched).heartbeats.num_lanes <= 1  # one P endpoint, not one per claimed rank
 
 
 def test_d_n_children_share_one_load_then_hit_the_prefix_cache(make_scheduler, fake_p):

@@ -106,6 +106,8 @@ def compat_info(vllm_config: VllmConfig, transfer_mode: str) -> CompatInfo:
         transfer_mode=str(transfer_mode),
         device=device_kind(),
         attn_backend=attention_backend_name(vllm_config),
+        total_kv_heads=int(mc.get_total_num_kv_heads()),
+        mla=bool(getattr(mc, "use_mla", False)),
     )
 
 

@@ -166,7 +166,8 @@ class LeaseService:
                         and lease.state is LeaseState.RELEASED}
             foreign = {rid for rid in msg.request_ids if self._held_by_other(rid, msg.engine_id)}
             remaining = [proto.LEASE_UNKNOWN if rid in foreign
-                         else self.table.renew(rid, acquire=msg.acquire, holder=holder)
+                         else self.table.renew(rid, acquire=msg.acquire, holder=holder,
+                                               consumer_ranks=msg.consumer_ranks)
                          for rid in msg.request_ids]
             self.num_wrong_sender += len(foreign)
             if not msg.acquire:
@@ -204,13 +205,16 @@ class LeaseService:
                                    "refused: that engine does not hold the lease", rid,
                                    msg.engine_id)
                     continue
-                if lease is not None and not 0 <= msg.tp_rank < lease.num_consumers:
+                if (lease is not None and not 0 <= msg.tp_rank < lease.num_consumers
+                        and not (msg.consumer_ranks and not lease.released_ranks
+                                 and 0 <= msg.tp_rank < msg.consumer_ranks)):
                     logger.warning(
                         "PDConnector: release of request %s from engine %s names rank %d; "
                         "the lease has %d consumer rank(s): ignored", rid, msg.engine_id,
                         msg.tp_rank, lease.num_consumers)
                     continue
-                if (not self.table.release(rid, msg.tp_rank, msg.ok, consumer)
+                if (not self.table.release(rid, msg.tp_rank, msg.ok, consumer,
+                                           msg.consumer_ranks)
                         and rid not in self.table):
                     self.num_late_messages += 1
                     logger.info(

@@ -142,9 +142,10 @@ class LeaseTable:
         return expiry
 
     def renew(self, request_id: str, acquire: bool = False,
-              holder: Holder | None = None) -> float:
+              holder: Holder | None = None, consumer_ranks: int = 0) -> float:
         """Extend a lease; returns seconds left or LEASE_UNKNOWN/LEASE_EXPIRED.
-        With ``acquire`` (a pin), ``holder`` is recorded until it releases."""
+        With ``acquire`` (a pin), ``holder`` is recorded until it releases;
+        ``consumer_ranks``: see ``_count_consumers``."""
         lease = self._leases.get(request_id)
         if lease is None:
             return LEASE_EXPIRED if request_id in self._tombstones else LEASE_UNKNOWN
@@ -167,7 +168,18 @@ class LeaseTable:
             lease.state = LeaseState.READING
             if holder is not None:
                 lease.holders.add(holder)
+            self._count_consumers(lease, consumer_ranks)
         return lease.expiry - now
+
+    @staticmethod
+    def _count_consumers(lease: Lease, consumer_ranks: int) -> None:
+        """A lease is granted before D is chosen, with P's own rank count;
+        D's first pin or release names how many of D's ranks read it (D's TP
+        size), which may differ. Taken only before any rank released, so the
+        count never changes under a release already made."""
+        if (consumer_ranks > 0 and not lease.released_ranks
+                and lease.state is not LeaseState.WRITING):
+            lease.num_consumers = consumer_ranks
 
     def hold(self, request_id: str) -> bool:
         """Push: P's WRITE from these blocks is ordered. The lease no longer
@@ -179,17 +191,18 @@ class LeaseTable:
         return True
 
     def release(self, request_id: str, rank: int = 0, ok: bool = True,
-                consumer: Consumer | None = None) -> bool:
+                consumer: Consumer | None = None, consumer_ranks: int = 0) -> bool:
         """Record that ``rank`` (of ``consumer``, if named) is done; True when
         the lease is now fully released. A rank outside ``0..num_consumers-1``
         is ignored: it would otherwise count as one more consumer and end the
         lease while a real rank may still be reading. A release that names no
         consumer counts its rank but never drops another consumer's holder."""
         lease = self._leases.get(request_id)
-        if lease is None or not 0 <= rank < lease.num_consumers:
+        if lease is None or lease.state is LeaseState.RELEASED:
+            return False  # unknown, or already queued for the sweep
+        self._count_consumers(lease, consumer_ranks)
+        if not 0 <= rank < lease.num_consumers:
             return False
-        if lease.state is LeaseState.RELEASED:
-            return False  # already queued for the sweep
         lease.released_ranks.add(rank)
         lease.release_ok = lease.release_ok and ok
         if consumer is not None:

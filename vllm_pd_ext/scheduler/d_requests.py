@@ -106,6 +106,19 @@ class StepOut:
     fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
+def tp_size_problem(p_tp: int, d_tp: int, mode: TransferMode) -> str:
+    """Why a P answer from an engine with TP size ``p_tp`` cannot load
+    here ("" if it may: the handshake then checks the heads)."""
+    if p_tp % d_tp and d_tp % p_tp:
+        return (f"kv_transfer_params.tp_size={p_tp} but this engine runs tensor_parallel_size="
+                f"{d_tp}: one must divide the other")
+    if mode is TransferMode.PUSH:
+        return (f"kv_transfer_params.tp_size={p_tp} but this engine runs tensor_parallel_size="
+                f"{d_tp}: push mode needs equal TP sizes (pull reads head slices across "
+                "TP sizes)")
+    return ""
+
+
 class DRequests:
     def __init__(self, *, mode: TransferMode, tp_size: int, mode_half: DMode,
                  heartbeats: HeartbeatSender, keep_turn: Callable[..., dict[str, Any] | None],
@@ -147,11 +160,11 @@ class DRequests:
             return
         if params.tp_size != self.tp_size:
             # Never loop over a count from the request: D's own TP size is the
-            # rank count, and the handshake refuses a P whose TP size differs.
-            self._refuse(rid, f"kv_transfer_params.tp_size={params.tp_size} but this engine runs "
-                         f"tensor_parallel_size={self.tp_size} (P and D must use the same TP "
-                         "size)")
-            return
+            # rank count; the handshake checks P's real sharding (tp_slices).
+            problem = tp_size_problem(params.tp_size, self.tp_size, self.mode)
+            if problem:
+                self._refuse(rid, problem)
+                return
         key = lease_key(params)
         lease = (str(params.remote_engine_id), key)
         user = self.lease_users.get(lease)

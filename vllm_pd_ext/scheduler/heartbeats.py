@@ -75,11 +75,12 @@ class HeartbeatSender:
 
     def release(self, endpoint: Endpoint, remote_request_id: str, tp_size: int,
                 reason: str) -> None:
-        """Queue one release per P rank (``tp_size`` is D's own TP size)."""
+        """Queue one release per D rank (``tp_size`` is D's own TP size,
+        which the lease then counts as its consumers)."""
         for rank in range(tp_size):
             self._outbox.send(endpoint[0], endpoint[1], proto.LeaseRelease(
                 engine_id=self.engine_id, request_ids=[remote_request_id], tp_rank=rank,
-                ok=False, reason=reason), self._on_release_reply)
+                ok=False, reason=reason, consumer_ranks=tp_size), self._on_release_reply)
 
     def _run(self) -> None:
         while True:

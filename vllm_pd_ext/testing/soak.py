@@ -73,6 +73,7 @@ from vllm_pd_ext.testing.soak_plan import (
     summary_row,
     table,
 )
+from vllm_pd_ext.tools.launch import parse_tp_pair, tp_bind
 
 BURST = 50
 #: A drain waits for the engine's leases (one lease_duration at most) and
@@ -104,6 +105,8 @@ class SoakConfig:
     #: turn through its drain (SIGTERM), ``faults`` restarts in all, and
     #: every request must succeed (a clean error is a failure here).
     scenario: str = "chaos"
+    #: (P's, D's) tensor-parallel size; a TP=2 engine's ranks get cores 0 and 1.
+    tp: tuple[int, int] = (1, 1)
 
 
 def resources(engine: Engine) -> dict[str, int]:
@@ -148,9 +151,12 @@ class Cluster:
         def host(i: int) -> netns.Host | None:
             return topo.hosts[i] if topo is not None else None
 
-        self.ps = [Engine(f"P{i}", model, logs, role="kv_producer", cpu_bind=str(i),
+        p_tp, d_tp = cfg.tp
+        self.ps = [Engine(f"P{i}", model, logs, role="kv_producer",
+                          cpu_bind=tp_bind(p_tp, str(i)), tp_size=p_tp,
                           extra_config=extra, host=host(i)) for i in (0, 1)]
-        self.ds = [Engine(f"D{i}", model, logs, role="kv_consumer", cpu_bind=str(i),
+        self.ds = [Engine(f"D{i}", model, logs, role="kv_consumer",
+                          cpu_bind=tp_bind(d_tp, str(i)), tp_size=d_tp,
                           failure_policy=("recompute", "fail")[i], extra_config=extra,
                           host=host(2 + i)) for i in (0, 1)]
         self.proxy = Proxy([p.url for p in self.ps], [d.url for d in self.ds], logs, args=[
@@ -608,10 +614,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="chaos: seeded random faults; rolling: restart every engine in turn "
                          "through its drain (SIGTERM), --faults restarts, 0 client errors "
                          "allowed")
+    ap.add_argument("--tp", default="1,1", metavar="P,D",
+                    help="tensor-parallel sizes of every P and every D (1 or 2: a TP=2 "
+                         "engine's ranks get cores 0 and 1)")
     ap.add_argument("--netns", action="store_true",
                     help="one network namespace per engine, UCX over TCP on its veth; adds "
                          "partitions (needs root, ip netns and cc: vllm_pd_ext/testing/netns.py)")
     args = ap.parse_args(argv)
+    try:
+        tp = parse_tp_pair(args.tp)
+    except ValueError as exc:
+        ap.error(str(exc))
     model = args.model
     if model is None:
         model = str(REPO / ".models" / "tiny")
@@ -620,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                        stdout=subprocess.DEVNULL)
     cfg = SoakConfig(mode=args.mode, requests=args.requests, faults=args.faults,
                      clients=args.clients, seed=args.seed, lease_s=args.lease,
-                     progress=not args.no_progress, netns=args.netns, scenario=args.scenario)
+                     progress=not args.no_progress, netns=args.netns, scenario=args.scenario,
+                     tp=tp)
     rep = run(cfg, model)
     print(table(rep["summary"]))
     for v in rep["violations"]:

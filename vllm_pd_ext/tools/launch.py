@@ -81,6 +81,28 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+def parse_tp_pair(text: str, max_tp: int = 2) -> tuple[int, int]:
+    """``--tp P,D`` of the demo, the soak and ``vllm-pd-bench``: P's and D's
+    tensor-parallel sizes, each at most ``max_tp`` (a core per rank)."""
+    try:
+        p_tp, d_tp = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tp takes P,D (e.g. 1,2), got {text!r}") from None
+    if not (1 <= p_tp <= max_tp and 1 <= d_tp <= max_tp):
+        raise ValueError(f"--tp {text}: each size must be 1..{max_tp} here (one core per rank)")
+    return p_tp, d_tp
+
+
+def tp_bind(tp: int, alone: str, cores: tuple[str, ...] = ("0", "1")) -> str:
+    """The ``cpu_bind`` of an engine with ``tp`` ranks: its own core
+    ``alone`` at TP=1, else one of ``cores`` per rank (``"0|1"``)."""
+    if tp == 1:
+        return alone
+    if tp > len(cores):
+        raise ValueError(f"TP={tp} needs {tp} cores, have {len(cores)} ({','.join(cores)})")
+    return "|".join(cores[:tp])
+
+
 @dataclass
 class Engine:
     """One vLLM OpenAI server: ``connector="PDConnector"`` with ``role`` for a

@@ -28,7 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_pd_ext.transport.coalesce import Descriptor, block_runs, merge_adjacent
-from vllm_pd_ext.wire.protocol import Region
+from vllm_pd_ext.wire.protocol import CompatInfo, Region
+
+#: KV layouts (``KVCacheLayout`` names and their legacy aliases) whose blocks
+#: put one token's heads next to each other: a head is not one range.
+INTERLEAVED_LAYOUTS = frozenset({"LBNHC", "BLNHC", "NHD"})
 
 
 class TPMappingError(ValueError):
@@ -70,6 +74,18 @@ class Sharding:
             return range(rank * n, (rank + 1) * n)
         head = rank * self.num_kv_heads // self.tp_size
         return range(head, head + 1)
+
+
+def sharding_of(c: CompatInfo) -> Sharding:
+    """One engine's ``Sharding``, from the compat info it sends."""
+    total = c.total_kv_heads or c.num_kv_heads * c.tp_size
+    return Sharding(tp_size=c.tp_size, num_kv_heads=total, mla=c.mla,
+                    heads_contiguous=c.kv_layout not in INTERLEAVED_LAYOUTS)
+
+
+def same_slices(p: Sharding, d: Sharding) -> bool:
+    """Every D rank reads its own rank's whole blocks (plain transfers)."""
+    return p.tp_size == d.tp_size or p.mla
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ different versions refuse each other at the handshake):
 - 5: bidirectional KV (``scheduler/bidir.py``): D's final answer names its kept blocks
   with ``remote_block_hashes``; a P leg carrying them reads the matching
   prefix back from D (pull, D's lease); ``pd_bidirectional`` on the D leg.
+- 6: tensor parallelism across sizes (``transport/tp_slices.py``): ``CompatInfo``
+  carries the model's total KV heads and MLA; a handshake names D's TP size
+  and its reply carries every P rank's agent; pins and releases name how
+  many D ranks consume the lease.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -313,25 +317,52 @@ class CompatInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: The attention backend chosen on the command line, or "auto". Informational:
     #: the scheduler's connector cannot know the backend vLLM finally selects.
     attn_backend: str = ""
+    #: The model's KV heads over all ranks (``num_kv_heads`` is per rank);
+    #: 0 from a peer that predates tensor parallelism across sizes.
+    total_kv_heads: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    #: A latent (MLA) cache: one slot per token, no heads to split.
+    mla: bool = False
 
     #: Carried and logged, never compared.
     INFORMATIONAL: ClassVar[frozenset[str]] = frozenset({"attn_backend"})
     #: Added with a default: compared only when both sides carry a value.
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"device"})
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"device", "total_kv_heads"})
+    #: Differ between P and D sharded differently; ``tp_slices.plan`` decides
+    #: instead when both sides carry ``total_kv_heads``.
+    TP_FIELDS: ClassVar[frozenset[str]] = frozenset({"tp_size", "num_kv_heads"})
 
     def digest(self) -> str:
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
     def diff(self, other: CompatInfo, ours: bool = True) -> list[str]:
         """Fields that differ, as ``name: ours=X theirs=Y`` (``ours=False``:
-        ``name: theirs=Y``, for a peer that must not learn our values)."""
-        return [
+        ``name: theirs=Y``, for a peer that must not learn our values).
+
+        TP size and per-rank heads may differ when both sides say how many
+        heads the model has: then the sharding pair is checked as a whole
+        (``tp_slices.plan``) and a pair it cannot map is one entry naming why.
+        """
+        sharded = self.total_kv_heads > 0 and other.total_kv_heads > 0
+        out = [
             f"{f}: ours={getattr(self, f)!r} theirs={getattr(other, f)!r}" if ours
             else f"{f} differs: theirs={getattr(other, f)!r}"
             for f in self.__struct_fields__
             if f not in self.INFORMATIONAL and getattr(self, f) != getattr(other, f)
-            and not (f in self.OPTIONAL and "" in (getattr(self, f), getattr(other, f)))
+            and not (f in self.OPTIONAL
+                     and (getattr(self, f) in ("", 0) or getattr(other, f) in ("", 0)))
+            and not (sharded and f in self.TP_FIELDS)
         ]
+        if sharded and not out:
+            # Deferred import: tp_slices builds on this module's Region.
+            from vllm_pd_ext.transport.tp_slices import TPMappingError, plan, sharding_of
+
+            try:
+                plan(sharding_of(other), sharding_of(self))
+            except TPMappingError as exc:
+                out.append(f"tensor parallelism: {exc}" if ours
+                           else f"tensor parallelism cannot be mapped (theirs: tp_size="
+                                f"{other.tp_size})")
+        return out
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -370,7 +401,12 @@ class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake", kw_only=Tru
 class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only=True):
     engine_id: EngineId
     compat: CompatInfo
+    #: The agent of P's rank that D's rank reads first (its own rank when
+    #: both sides shard alike).
     agent: AgentInfo
+    #: Every P rank's agent, by rank: a D rank sharded differently reads
+    #: head slices from one or several of them (``tp_slices``).
+    agents: Annotated[list[AgentInfo], msgspec.Meta(max_length=MAX_TP_SIZE)] = []
 
 
 class LeaseRenew(msgspec.Struct, frozen=True, tag="renew", kw_only=True):
@@ -388,6 +424,9 @@ class LeaseRenew(msgspec.Struct, frozen=True, tag="renew", kw_only=True):
     #: D's rank that pins; -1: not named.
     tp_rank: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_TP_SIZE)] = -1
     consumer: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] = ""
+    #: How many D ranks consume the lease (D's TP size); 0: not named (the
+    #: lease keeps the count it was granted with).
+    consumer_ranks: Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_SIZE)] = 0
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):
@@ -410,6 +449,8 @@ class LeaseRelease(msgspec.Struct, frozen=True, tag="release", kw_only=True):
     ok: bool = True
     reason: str = ""
     consumer: Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_LEN)] = ""
+    #: As in ``LeaseRenew``: D's TP size, 0 when not named.
+    consumer_ranks: Annotated[int, msgspec.Meta(ge=0, le=MAX_TP_SIZE)] = 0
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

@@ -37,6 +37,7 @@ import zmq
 # Re-exported for the tests that build a P side from this module.
 from vllm_pd_ext.leases.service import LeaseService as LeaseService
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.transport.tp_slices import TPMappingError, sharding_of, slices_for
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import AuthError, FrameAuth
 from vllm_pd_ext.wire.protocol import LOCAL_CODES, ErrorCode
@@ -242,13 +243,25 @@ class SideChannelServer:
         return proto.ErrorReply(ErrorCode.INCOMPATIBLE, "incompatible peer: " + "; ".join(told))
 
     def _on_handshake(self, msg: proto.HandshakeRequest) -> proto.Reply:
-        agent = self.agents.get(msg.tp_rank)
+        # The compat check passed, so the two shardings map (tp_slices.plan).
+        try:
+            ours, theirs = sharding_of(self.compat), sharding_of(msg.compat)
+            if msg.tp_rank >= theirs.tp_size:
+                return proto.ErrorReply(
+                    ErrorCode.NO_RANK, f"rank {msg.tp_rank} is out of range for the peer's "
+                    f"own tp_size {theirs.tp_size}")
+            first = slices_for(msg.tp_rank, ours, theirs)[0].p_rank
+        except TPMappingError as exc:
+            return proto.ErrorReply(ErrorCode.INCOMPATIBLE, f"tensor parallelism: {exc}")
+        agent = self.agents.get(first)
         if agent is None:
             return proto.ErrorReply(
-                ErrorCode.NO_RANK, f"engine {self.engine_id} has no TP rank {msg.tp_rank}")
-        logger.info("PDConnector: handshake from engine %s rank %d", msg.engine_id,
-                    msg.tp_rank)
-        return proto.HandshakeReply(engine_id=self.engine_id, compat=self.compat, agent=agent)
+                ErrorCode.NO_RANK, f"engine {self.engine_id} has no TP rank {first}")
+        logger.info("PDConnector: handshake from engine %s rank %d (its TP %d, ours %d)",
+                    msg.engine_id, msg.tp_rank, theirs.tp_size, ours.tp_size)
+        return proto.HandshakeReply(
+            engine_id=self.engine_id, compat=self.compat, agent=agent,
+            agents=[self.agents[r] for r in sorted(self.agents)])
 
     def _on_renew(self, msg: proto.LeaseRenew) -> proto.Reply:
         if self.leases is None:

@@ -13,7 +13,11 @@ and never blocks the step:
   once instead of waiting one more timeout each.
 - HANDSHAKE fetches and checks P's layout once per ``(engine id, host,
   port)``. Every load holds its own reference to the peer it handshook
-  with, so one failed pin, post or READ fails that load only. A pin that P
+  with, so one failed pin, post or READ fails that load only. When P is
+  sharded differently (another TP size), the peer is the set of P ranks
+  this rank reads head slices from (``tp_slices``): one READ per P rank,
+  all posted together, and the load is done (or failed) only when every
+  one settled. A pin that P
   does not know (``LEASE_UNKNOWN``) or a failed READ makes the peer
   *suspect*: a fresh handshake checks it, and only a new engine id at that
   endpoint (P restarted) retires the cached peer.
@@ -42,7 +46,14 @@ from typing import Any
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.transport import Transport, TransportError, XferState
-from vllm_pd_ext.transport.coalesce import build_descriptors
+from vllm_pd_ext.transport.coalesce import Descriptor, build_descriptors
+from vllm_pd_ext.transport.tp_slices import (
+    Slice,
+    TPMappingError,
+    sharding_of,
+    slice_descriptors,
+    slices_for,
+)
 from vllm_pd_ext.wire import outbox, telemetry
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
@@ -81,12 +92,31 @@ class RecvState(enum.Enum):
 
 
 @dataclass
+class PeerSet:
+    """What this D rank reads of one P engine: per P rank it reads from,
+    that rank's agent (as loaded in the ``AgentCache``) and the head slices
+    (None: whole blocks, P sharded like D)."""
+
+    reads: list[tuple[CachedAgent, list[Slice] | None]]
+    #: Heads per block: ours, P's.
+    heads: tuple[int, int] = (1, 1)
+
+    @property
+    def agents(self) -> list[CachedAgent]:
+        return [a for a, _ in self.reads]
+
+    @property
+    def name(self) -> str:
+        return ",".join(a.name for a in self.agents)
+
+
+@dataclass
 class _PeerEntry:
     """The handshake cache slot of one ``PeerKey``: its checked handshake is
-    P's NIXL agent for this rank, as loaded in the ``AgentCache``."""
+    the ``PeerSet`` of P's NIXL agents this rank reads."""
 
     key: PeerKey
-    peer: CachedAgent | None = None
+    peer: PeerSet | None = None
     #: A handshake in flight: the first, or a suspect peer's re-check.
     pending: Future[proto.Reply | SideChannelError] | None = None
     waiting: set[str] = field(default_factory=set)
@@ -98,13 +128,17 @@ class RecvJob:
     arrived: float
     deadline: float
     state: RecvState = RecvState.HANDSHAKE
-    peer: CachedAgent | None = None
+    peer: PeerSet | None = None
     future: Future[Any] | None = None
     pin_sent: float = 0.0
     #: Until when (D's clock) the pin guarantees P keeps the blocks: a READ
     #: that ends later may have copied blocks P already reused.
     valid_until: float = 0.0
-    handle: Any = None
+    #: The posted READs (one per P rank read) not released yet.
+    handles: list[Any] = field(default_factory=list)
+    #: A post that failed after an earlier READ of this load was posted:
+    #: raised once the posted ones settled.
+    post_error: LoadFailed | None = None
     posted: float = 0.0
     done_at: float = 0.0
     nbytes: int = 0
@@ -183,7 +217,8 @@ class PullReader:
         entry = self._entry(job.key)
         entry.waiting.add(spec.request_id)
         if entry.peer is not None:
-            self.agents.touch(entry.peer)
+            for agent in entry.peer.agents:
+                self.agents.touch(agent)
 
     def _entry(self, key: PeerKey) -> _PeerEntry:
         entry = self._peers.get(key)
@@ -253,7 +288,7 @@ class PullReader:
                 logger.warning("PDConnector: re-check of engine %s at %s:%d failed (%s); "
                                "forgetting its cached handshake", engine_id, host, port,
                                exc.detail)
-                self.agents.retire(entry.peer)
+                self._retire(entry.peer)
                 entry.peer = None
             self._peers.pop(entry.key, None)
             detail = f"handshake with {host}:{port} failed: {exc.detail}"
@@ -268,12 +303,12 @@ class PullReader:
         if entry.peer is None:
             entry.peer = peer
         elif entry.peer.name != peer.name:  # pragma: no cover - _adopt refuses this
-            self.agents.retire(entry.peer)
+            self._retire(entry.peer)
             entry.peer = peer
         return []
 
     def _adopt(self, entry: _PeerEntry, reply: proto.Reply | SideChannelError
-               ) -> CachedAgent:
+               ) -> PeerSet:
         engine_id, host, port = entry.key
         if isinstance(reply, SideChannelError):
             reason = (FailureReason.INCOMPATIBLE if reply.code == ErrorCode.INCOMPATIBLE
@@ -289,32 +324,70 @@ class PullReader:
         diff = self.compat.diff(reply.compat)
         if diff:
             raise LoadFailed(FailureReason.INCOMPATIBLE, "incompatible peer: " + "; ".join(diff))
-        problem = layout_problem(reply.agent, self.regions, self.agents.kernel_blocks)
-        if problem:
-            raise LoadFailed(FailureReason.LAYOUT, problem)
-        problem = memory_problem(reply.agent, self.transport.mem_type)
-        if problem:
-            raise LoadFailed(FailureReason.INCOMPATIBLE, problem)
-        claimed = reply.agent.agent_name
-        if not claimed.startswith(f"{engine_id}-tp{self.tp_rank}-"):
-            raise LoadFailed(FailureReason.HANDSHAKE,
-                             f"the engine at {host}:{port} claims engine id {engine_id} but "
-                             f"its rank-{self.tp_rank} NIXL agent is named {claimed!r}")
+        plan = self._plan(reply)
+        heads = (self.compat.num_kv_heads, reply.compat.num_kv_heads)
+        for agent, _ in plan:
+            problem = layout_problem(agent, self.regions, self.agents.kernel_blocks,
+                                     heads if len(plan) > 1 or plan[0][1] else None)
+            if problem:
+                raise LoadFailed(FailureReason.LAYOUT, problem)
+            problem = memory_problem(agent, self.transport.mem_type)
+            if problem:
+                raise LoadFailed(FailureReason.INCOMPATIBLE, problem)
+        claimed = ",".join(a.agent_name for a, _ in plan)
         if entry.peer is not None:
             if entry.peer.name != claimed:
                 raise LoadFailed(FailureReason.HANDSHAKE,
-                                 f"engine {engine_id} at {host}:{port} now has agent "
+                                 f"engine {engine_id} at {host}:{port} now has agent(s) "
                                  f"{claimed!r}, not {entry.peer.name!r}")
             logger.info("PDConnector: re-check of engine %s at %s:%d: unchanged", engine_id,
                         host, port)
             return entry.peer
+        loaded: list[tuple[CachedAgent, list[Slice] | None]] = []
         try:
-            peer = self.agents.load(reply.agent, engine_id, entry.key)
+            for agent, sl in plan:
+                loaded.append((self.agents.load(agent, engine_id, entry.key,
+                                                heads if sl else None), sl))
         except TransportError as exc:  # AgentMismatch included
+            for cached, _ in loaded:
+                self.agents.retire(cached)
             raise LoadFailed(FailureReason.HANDSHAKE, f"{host}:{port}: {exc}") from exc
-        logger.info("PDConnector: handshake with engine %s done (agent %s, compat %s)",
-                    reply.engine_id, peer.name, reply.compat.digest())
+        peer = PeerSet(loaded, heads)
+        logger.info("PDConnector: handshake with engine %s done (agent %s, compat %s%s)",
+                    reply.engine_id, peer.name, reply.compat.digest(),
+                    "" if not plan[0][1] else f"; TP {reply.compat.tp_size} -> "
+                    f"{self.compat.tp_size}, rank {self.tp_rank} reads "
+                    + "; ".join(f"{len(sl or ())} slice(s) of rank {a.tp_rank}"
+                                for a, sl in plan))
         return peer
+
+    def _plan(self, reply: proto.HandshakeReply
+              ) -> list[tuple[proto.AgentInfo, list[Slice] | None]]:
+        """P's agents this rank reads and what of each (None: whole blocks),
+        checked against the names P's agents must have."""
+        engine_id = reply.engine_id
+        by_rank = {a.tp_rank: a for a in reply.agents} or {reply.agent.tp_rank: reply.agent}
+        try:
+            p, d = sharding_of(reply.compat), sharding_of(self.compat)
+            slices = slices_for(self.tp_rank, p, d)
+        except TPMappingError as exc:
+            raise LoadFailed(FailureReason.INCOMPATIBLE, f"tensor parallelism: {exc}") from exc
+        whole = (len(slices) == 1 and slices[0].num_heads == self.compat.num_kv_heads
+                 == reply.compat.num_kv_heads)
+        out: list[tuple[proto.AgentInfo, list[Slice] | None]] = []
+        for rank in sorted({s.p_rank for s in slices}):
+            agent = by_rank.get(rank)
+            if agent is None:
+                raise LoadFailed(FailureReason.HANDSHAKE,
+                                 f"engine {engine_id} sent no agent for its rank {rank}, which "
+                                 f"rank {self.tp_rank} reads")
+            if agent.tp_rank != rank or not agent.agent_name.startswith(
+                    f"{engine_id}-tp{rank}-"):
+                raise LoadFailed(FailureReason.HANDSHAKE,
+                                 f"engine {engine_id} claims a rank-{rank} NIXL agent named "
+                                 f"{agent.agent_name!r} (rank {agent.tp_rank})")
+            out.append((agent, None if whole else [s for s in slices if s.p_rank == rank]))
+        return out
 
     def _step_handshake(self, job: RecvJob) -> None:
         entry = self._peers.get(job.key)
@@ -332,7 +405,8 @@ class PullReader:
         spec = job.spec
         job.future = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
             engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
-            tp_rank=self.tp_rank, consumer=spec.request_id))
+            tp_rank=self.tp_rank, consumer=spec.request_id,
+            consumer_ranks=self.compat.tp_size))
 
     def _step_pin(self, job: RecvJob) -> None:
         assert job.future is not None and job.peer is not None
@@ -357,33 +431,57 @@ class PullReader:
                              release=remaining >= 0)
         peer = job.peer
         try:
-            descs = build_descriptors(spec.local_block_ids, spec.remote_block_ids,
-                                      self.regions, peer.agent.regions)
-        except ValueError as exc:
+            reads = [(a.name, self._descriptors(spec, peer, a, sl), a.agent.device_id)
+                     for a, sl in peer.reads]
+        except ValueError as exc:  # TPMappingError included
             raise LoadFailed(FailureReason.LAYOUT, str(exc)) from exc
         job.posted = self._clock()
         job.valid_until = valid_until
-        job.nbytes = sum(n for _, _, n in descs)
-        job.ndescs = len(descs)
+        job.nbytes = sum(n for _, descs, _ in reads for _, _, n in descs)
+        job.ndescs = sum(len(descs) for _, descs, _ in reads)
         job.state = RecvState.POSTING
-        self.agents.acquire(peer)
-        job.future = self._poster.submit(self._post, peer.name, descs, peer.agent.device_id,
-                                         valid_until - margin, spec.remote_request_id)
+        for agent in peer.agents:
+            self.agents.acquire(agent)
+        job.future = self._poster.submit(self._post, reads, valid_until - margin,
+                                         spec.remote_request_id)
         self._step_post(job)
 
-    def _post(self, peer: str, descs: list[Any], device_id: int, post_by: float,
-              remote_request_id: str) -> tuple[Any, XferState, float]:
-        """Poster thread: post, then poll once so that a copy done inside the
-        post call is timed when it ended, not when the next step looks.
+    def _descriptors(self, spec: RecvSpec, peer: PeerSet, agent: CachedAgent,
+                     slices: list[Slice] | None) -> list[Descriptor]:
+        if slices is None:
+            return build_descriptors(spec.local_block_ids, spec.remote_block_ids,
+                                     self.regions, agent.agent.regions)
+        return [d for sl in slices for d in slice_descriptors(
+            spec.local_block_ids, spec.remote_block_ids, self.regions, agent.agent.regions,
+            sl, *peer.heads)]
+
+    def _post(self, reads: list[tuple[str, list[Descriptor], int]], post_by: float,
+              remote_request_id: str
+              ) -> tuple[list[Any], list[XferState], float, LoadFailed | None]:
+        """Poster thread: post each P rank's READ, then poll once so that a
+        copy done inside the post call is timed when it ended, not when the
+        next step looks.
 
         The pin's margin is checked again here, at the post: posts are
-        serialised, and one behind a long copy can wait past the lease."""
+        serialised, and one behind a long copy can wait past the lease. A
+        post that fails after an earlier one went out is returned, not
+        raised: the posted READs must settle before D's blocks can go."""
         if self._clock() > post_by:
             raise LoadFailed(FailureReason.LEASE_LOST,
                              f"P's lease on {remote_request_id} ran out while the READ waited "
                              "for the poster thread; not read")
-        handle = self.transport.post_read(peer, descs, device_id)
-        return handle, self.transport.poll(handle), self._clock()
+        handles: list[Any] = []
+        error: LoadFailed | None = None
+        for peer, descs, device_id in reads:
+            try:
+                handles.append(self.transport.post_read(peer, descs, device_id))
+            except Exception as exc:
+                if not handles:
+                    raise
+                error = LoadFailed(FailureReason.TRANSFER,
+                                   f"READ post to {peer} failed: {type(exc).__name__}: {exc}")
+                break
+        return handles, [self.transport.poll(h) for h in handles], self._clock(), error
 
     def _step_post(self, job: RecvJob) -> None:
         assert job.future is not None
@@ -391,7 +489,7 @@ class PullReader:
             return
         fut, job.future = job.future, None
         try:
-            job.handle, state, at = fut.result()
+            job.handles, states, at, job.post_error = fut.result()
         except TransportError as exc:
             self._unuse(job)
             self._suspect(job.key, f"READ post failed: {exc}")
@@ -407,24 +505,26 @@ class PullReader:
             self._unuse(job)
             raise LoadFailed(FailureReason.TRANSFER,
                              f"READ post raised {type(exc).__name__}: {exc}") from exc
-        if state is XferState.DONE:
+        if all(s is XferState.DONE for s in states):
             job.done_at = at
         job.state = RecvState.READING
 
     def _step_read(self, job: RecvJob) -> None:
-        state = self.transport.poll(job.handle)
-        if state is XferState.PROC:
+        states = [self.transport.poll(h) for h in job.handles]
+        if XferState.PROC in states:
             return
-        if not self.transport.release(job.handle):
+        if not self._release_handles(job):
             if not job.stuck_logged:
                 job.stuck_logged = True
                 logger.error("PDConnector: READ for %s finished (%s) but its handle cannot be "
                              "released; keeping its blocks and retrying", job.spec.request_id,
-                             state.value)
+                             ",".join(s.value for s in states))
             return  # try again next step; blocks stay allocated
-        job.handle = None
         self._unuse(job)
-        if state is XferState.ERR:
+        if job.post_error is not None:
+            self._suspect(job.key, job.post_error.detail)
+            raise job.post_error
+        if XferState.ERR in states:
             self._suspect(job.key, "NIXL reported an error for a READ")
             raise LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
         done = self._clock()
@@ -443,6 +543,12 @@ class PullReader:
         self._records.append(job.record(done))
         self._on_loaded(job, done)
 
+    def _release_handles(self, job: RecvJob) -> bool:
+        """Release (or cancel) every READ handle of the load; True when none
+        is left. One that cannot be released stays for the next try."""
+        job.handles = [h for h in job.handles if not self.transport.release(h)]
+        return not job.handles
+
     def _timeout(self, job: RecvJob) -> LoadFailed | None:
         if job.state is RecvState.POSTING:
             # The copy may be running inside the post call: D's blocks stay.
@@ -452,14 +558,13 @@ class PullReader:
                              "blocks until the post returns", job.spec.request_id)
             return None
         if job.state is RecvState.READING:
-            if not self.transport.release(job.handle):
+            if not self._release_handles(job):
                 if not job.stuck_logged:
                     job.stuck_logged = True
                     logger.error("PDConnector: READ for %s passed its deadline and cannot be "
                                  "cancelled; keeping its blocks until it settles",
                                  job.spec.request_id)
                 return None
-            job.handle = None
             self._unuse(job)
         return LoadFailed(FailureReason.TIMEOUT,
                           f"no KV after {self.transfer_timeout_s:.1f} s "
@@ -479,8 +584,8 @@ class PullReader:
     def _release(self, spec: RecvSpec, ok: bool, reason: str) -> None:
         self._io.send(spec.remote_host, spec.remote_port, proto.LeaseRelease(
             engine_id=self.engine_id, request_ids=[spec.remote_request_id],
-            tp_rank=self.tp_rank, ok=ok, reason=reason, consumer=spec.request_id),
-            _log_release_failure)
+            tp_rank=self.tp_rank, ok=ok, reason=reason, consumer=spec.request_id,
+            consumer_ranks=self.compat.tp_size), _log_release_failure)
 
     # ------------------------------------------------------------ peers
     def _suspect(self, key: PeerKey, why: str) -> None:
@@ -492,14 +597,22 @@ class PullReader:
 
     def _unuse(self, job: RecvJob) -> None:
         if job.peer is not None and job.state in (RecvState.POSTING, RecvState.READING):
-            self.agents.release(job.peer)
+            for agent in job.peer.agents:
+                self.agents.release(agent)
+
+    def _retire(self, peer: PeerSet) -> None:
+        for agent in peer.agents:
+            self.agents.retire(agent)
 
     def _reap(self, now: float) -> None:
-        """Idle agents go, and their cached handshakes with them."""
+        """Idle agents go, and their cached handshakes with them (a set of
+        P agents is used as one, so one gone retires the rest)."""
         for gone in self.agents.reap(now):
             key: PeerKey = gone.owner  # type: ignore[assignment]
             entry = self._peers.get(key)
-            if entry is not None and entry.peer is gone:
+            if entry is not None and entry.peer is not None and any(
+                    a is gone for a in entry.peer.agents):
+                self._retire(entry.peer)
                 entry.peer = None
                 if not entry.waiting and entry.pending is None:
                     del self._peers[key]

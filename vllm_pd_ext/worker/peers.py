@@ -66,9 +66,11 @@ class AgentCache:
         self._clock = clock
         self._agents: dict[str, CachedAgent] = {}
 
-    def load(self, agent: proto.AgentInfo, engine_id: str, owner: Hashable) -> CachedAgent:
-        """The cached agent for ``agent``, loaded and checked on first use.
-        Raises ``AgentMismatch`` (or ``TransportError`` from NIXL)."""
+    def load(self, agent: proto.AgentInfo, engine_id: str, owner: Hashable,
+             heads: Heads | None = None) -> CachedAgent:
+        """The cached agent for ``agent``, loaded and checked on first use
+        (``heads``: see ``layout_problem``). Raises ``AgentMismatch`` (or
+        ``TransportError`` from NIXL)."""
         name = agent.agent_name
         prefix = f"{engine_id}-tp{agent.tp_rank}-"
         if not name.startswith(prefix):
@@ -85,7 +87,7 @@ class AgentCache:
                                     f"which belongs to {_describe(cached.owner)}")
             cached.retired = False
             return cached
-        problem = (layout_problem(agent, self.regions, self.kernel_blocks)
+        problem = (layout_problem(agent, self.regions, self.kernel_blocks, heads)
                    or memory_problem(agent, self.transport.mem_type))
         if problem:
             raise TransportError(problem)
@@ -151,9 +153,17 @@ class AgentCache:
             logger.exception("PDConnector: removing %s %s failed", self.what, name)
 
 
+#: (our heads per block, the peer's): a peer sharded differently, whose
+#: blocks pair with ours head slice by head slice (``tp_slices``).
+Heads = tuple[int, int]
+
+
 def layout_problem(agent: proto.AgentInfo, regions: list[proto.Region],
-                   kernel_blocks: int = 1) -> str:
-    """Why a peer's KV regions cannot pair with ours block for block ("" if they can)."""
+                   kernel_blocks: int = 1, heads: Heads | None = None) -> str:
+    """Why a peer's KV regions cannot pair with ours block for block, or
+    with ``heads``, head for head ("" if they can)."""
+    if heads is not None and heads[0] != heads[1]:
+        return _slice_layout_problem(agent, regions, kernel_blocks, heads)
     if len(agent.regions) != len(regions) or any(
             a.block_len != b.block_len for a, b in zip(agent.regions, regions, strict=False)):
         return "the peer's KV region layout differs from ours"
@@ -161,6 +171,26 @@ def layout_problem(agent: proto.AgentInfo, regions: list[proto.Region],
         return (f"the peer splits each KV block into {agent.kernel_blocks} kernel block(s) "
                 f"and we into {kernel_blocks}: the bytes within a block are ordered "
                 "differently (give both engines the same attention backend and block size)")
+    return ""
+
+
+def _slice_layout_problem(agent: proto.AgentInfo, regions: list[proto.Region],
+                          kernel_blocks: int, heads: Heads) -> str:
+    ours, theirs = heads
+    if len(agent.regions) != len(regions):
+        return (f"the peer has {len(agent.regions)} KV regions and we have {len(regions)} "
+                "(another model, or another cache layout)")
+    for a, b in zip(agent.regions, regions, strict=True):
+        if b.block_len % ours or a.block_len % theirs or (
+                a.block_len // theirs != b.block_len // ours):
+            return (f"a head of the peer's KV blocks is not as long as ours ({a.block_len} B "
+                    f"for {theirs} head(s) against {b.block_len} B for {ours}): block size, "
+                    "head size or dtype differ")
+    if agent.kernel_blocks != 1 or kernel_blocks != 1:
+        return (f"the KV blocks are split into kernel blocks (peer {agent.kernel_blocks}, "
+                f"ours {kernel_blocks}): a head is then not one range per block, so engines "
+                "with different TP sizes cannot exchange them (use the same TP size, or a "
+                "block size the attention backend does not split)")
     return ""
 
 

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the two cores: aggregated = one engine on each; "
                          "disaggregated = P on the first, D on the second")
     compare.add_argument("--transfer-mode", choices=("pull", "push"), default="pull")
+    compare.add_argument("--tp", default="1,1", metavar="P,D",
+                         help="disaggregated: P's and D's tensor-parallel sizes (a TP=2 "
+                         "engine gets a core per rank out of --cores)")
     compare.add_argument("--max-model-len", type=int, default=4096)
     compare.add_argument("--kv-bytes", type=int, default=1 << 30,
                          help="KV-cache bytes per engine (both deployments)")
@@ -245,6 +248,7 @@ def say(msg: str) -> None:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_pd_ext.tools.launch import parse_tp_pair
     from vllm_pd_ext.tools.slo.deploy import Deployment
 
     out_dir = Path(args.out_dir or f".runs/slo/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -256,7 +260,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for kind in kinds:
         dep = Deployment(kind, args.model, out_dir / "logs", cores=cores,
                          transfer_mode=args.transfer_mode, max_model_len=args.max_model_len,
-                         kv_bytes=args.kv_bytes)
+                         kv_bytes=args.kv_bytes, tp=parse_tp_pair(args.tp, len(cores)))
         where = ", ".join(f"{e.name} on core {e.cpu_bind}" for e in dep.engines)
         say(f"starting {dep.name} ({where})")
         dep.start()

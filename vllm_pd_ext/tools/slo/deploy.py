@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_pd_ext.tools.launch import Engine, Proxy
+from vllm_pd_ext.tools.launch import Engine, Proxy, tp_bind
 
 KINDS = ("aggregated", "disaggregated")
 
@@ -38,6 +38,9 @@ class Deployment:
     log_dir: Path
     cores: tuple[str, ...] = ("0", "1")
     transfer_mode: str = "pull"
+    #: Disaggregated: (P's, D's) tensor-parallel size; a TP=2 engine gets a
+    #: core per rank out of ``cores`` (so P and D then share them).
+    tp: tuple[int, int] = (1, 1)
     max_model_len: int = 4096
     kv_bytes: int = 1 << 30
     engines: list[Engine] = field(default_factory=list)
@@ -59,9 +62,12 @@ class Deployment:
                             for i, core in enumerate(self.cores)]
             return
         mode = {"transfer_mode": self.transfer_mode}
-        p = Engine("p", self.model, logs, role="kv_producer", cpu_bind=self.cores[0],
-                   extra_config=mode, **common)
-        d = Engine("d", self.model, logs, role="kv_consumer", cpu_bind=self.cores[1],
+        p_tp, d_tp = self.tp
+        p = Engine("p", self.model, logs, role="kv_producer", tp_size=p_tp,
+                   cpu_bind=tp_bind(p_tp, self.cores[0], self.cores), extra_config=mode,
+                   **common)
+        d = Engine("d", self.model, logs, role="kv_consumer", tp_size=d_tp,
+                   cpu_bind=tp_bind(d_tp, self.cores[1], self.cores),
                    extra_config={**mode, "transfer_telemetry_in_response": True},
                    **common)
         self.engines = [p, d]
@@ -77,7 +83,10 @@ class Deployment:
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == "aggregated" else f"disaggregated-{self.transfer_mode}"
+        if self.kind == "aggregated":
+            return self.kind
+        tp = "" if self.tp == (1, 1) else f"-tp{self.tp[0]}x{self.tp[1]}"
+        return f"disaggregated-{self.transfer_mode}{tp}"
 
     @property
     def urls(self) -> list[str]:
