@@ -106,16 +106,13 @@ class StepOut:
     fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
-def tp_size_problem(p_tp: int, d_tp: int, mode: TransferMode) -> str:
+def tp_size_problem(p_tp: int, d_tp: int) -> str:
     """Why a P answer from an engine with TP size ``p_tp`` cannot load
-    here ("" if it may: the handshake then checks the heads)."""
+    here ("" if it may: the handshake, or push's registration, then checks
+    P's real sharding against ours, ``tp_slices.plan``)."""
     if p_tp % d_tp and d_tp % p_tp:
         return (f"kv_transfer_params.tp_size={p_tp} but this engine runs tensor_parallel_size="
                 f"{d_tp}: one must divide the other")
-    if mode is TransferMode.PUSH:
-        return (f"kv_transfer_params.tp_size={p_tp} but this engine runs tensor_parallel_size="
-                f"{d_tp}: push mode needs equal TP sizes (pull reads head slices across "
-                "TP sizes)")
     return ""
 
 
@@ -161,7 +158,7 @@ class DRequests:
         if params.tp_size != self.tp_size:
             # Never loop over a count from the request: D's own TP size is the
             # rank count; the handshake checks P's real sharding (tp_slices).
-            problem = tp_size_problem(params.tp_size, self.tp_size, self.mode)
+            problem = tp_size_problem(params.tp_size, self.tp_size)
             if problem:
                 self._refuse(rid, problem)
                 return
@@ -276,6 +273,9 @@ class DRequests:
         now = time.monotonic()
         for rid, rec in telemetry.merge_by_request(records).items():
             d = self._reqs.get(rid)
+            if d is not None and d.transfer is not None:
+                # Another TP rank's record, reported in an earlier step.
+                rec = telemetry.merge(d.transfer, rec)
             if d is not None and d.params is not None:
                 params = d.params
                 fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}

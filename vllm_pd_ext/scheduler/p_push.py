@@ -43,6 +43,7 @@ from vllm_pd_ext.scheduler.pushbook import (
     PushRefused,
     PushState,
 )
+from vllm_pd_ext.transport.tp_slices import Sharding, sharding_of, slices_for
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
@@ -115,10 +116,12 @@ class PushProducer:
             return proto.ErrorReply(
                 ErrorCode.STALE, f"this is engine {self.engine_id}, not {msg.expect_engine_id} "
                 "(P restarted?)")
-        if len(msg.agents) != self.tp_size or not msg.block_ids or msg.first_block < 0:
+        d_tp = msg.compat.tp_size
+        if (len(msg.agents) != d_tp or [a.tp_rank for a in msg.agents] != list(range(d_tp))
+                or not msg.block_ids or msg.first_block < 0):
             return proto.ErrorReply(
                 ErrorCode.MALFORMED, f"registration for {msg.pd_request_id}: "
-                f"{len(msg.agents)} agents for TP {self.tp_size}, {len(msg.block_ids)} blocks "
+                f"{len(msg.agents)} agents for D's TP {d_tp}, {len(msg.block_ids)} blocks "
                 f"from {msg.first_block}")
         with self.leases.atomic():
             try:
@@ -315,14 +318,22 @@ class PushProducer:
                              "be ordered")
             return
         src = prefill.block_ids[reg.first_block:reg.first_block + n]
+        targets = write_targets(sharding_of(self.compat), sharding_of(reg.compat), reg.agents)
         unsent = []
         for rank in range(self.tp_size):
+            if targets is not None and not targets[rank]:
+                # Sharded unlike D, this rank holds no head D reads from it
+                # (a replica another rank writes): its share is done now.
+                self.leases.release_ranks(match.pd_request_id, [rank], ok=True)
+                self._settle(match.pd_request_id, rank, True, "")
+                continue
             order = proto.WriteOrder(
                 pd_request_id=match.pd_request_id, request_id=prefill.request_id,
                 d_engine_id=reg.engine_id, d_request_id=reg.request_id,
                 notify_host=reg.notify_host, notify_port=reg.notify_port,
-                agent=reg.agents[rank], src_block_ids=src, dst_block_ids=list(reg.block_ids),
-                post_before=match.post_before, notif_token=reg.notif_token)
+                agent=reg.agents[rank % len(reg.agents)], src_block_ids=src,
+                dst_block_ids=list(reg.block_ids), post_before=match.post_before,
+                notif_token=reg.notif_token, targets=[] if targets is None else targets[rank])
             try:
                 with self._order_lock:
                     # Never block under the lease lock (a full queue means a
@@ -357,3 +368,22 @@ class PushProducer:
         if self._ctx is not None:
             self._ctx.term()
 
+
+
+def write_targets(p: Sharding, d: Sharding, agents: list[proto.AgentInfo]
+                  ) -> list[list[proto.WriteTarget]] | None:
+    """Per P rank, the D ranks it writes head slices to; None when P and D
+    shard alike (rank ``r`` writes whole blocks to D's rank ``r``). The
+    registration's compat check already mapped the pair (``tp_slices.plan``)."""
+    if p.tp_size == d.tp_size:
+        return None
+    out: list[list[proto.WriteTarget]] = [[] for _ in range(p.tp_size)]
+    for d_rank in range(d.tp_size):
+        slices = slices_for(d_rank, p, d)
+        writers = len({s.p_rank for s in slices})
+        for p_rank in sorted({s.p_rank for s in slices}):
+            out[p_rank].append(proto.WriteTarget(
+                agent=agents[d_rank], p_heads=p.heads_per_rank, d_heads=d.heads_per_rank,
+                writers=writers, slices=[(s.p_head, s.d_head, s.num_heads) for s in slices
+                                         if s.p_rank == p_rank]))
+    return out

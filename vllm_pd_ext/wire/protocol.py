@@ -569,8 +569,23 @@ class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):
     detail: str = ""
 
 
+class WriteTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """One D rank a P rank writes head slices to, when P and D shard
+    differently (``tp_slices``): the rank's agent, the slices as ``(P head,
+    D head, heads)`` within a block, each side's heads per block, and how
+    many P ranks write into that D rank (its notification says so)."""
+
+    agent: AgentInfo
+    slices: list[tuple[int, int, int]]
+    p_heads: int
+    d_heads: int
+    writers: int = 1
+
+
 class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
-    """P's scheduler -> one of P's workers: post this WRITE now."""
+    """P's scheduler -> one of P's workers: post this WRITE now (to ``agent``,
+    whole blocks; or, P and D sharded differently, one WRITE per ``targets``
+    entry)."""
 
     pd_request_id: str
     request_id: str
@@ -585,19 +600,42 @@ class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
     post_before: float
     #: D's ``PushRegister.notif_token``, echoed in the notification.
     notif_token: str = ""
+    #: Non-empty: P and D shard differently; ``agent`` is then unused.
+    targets: list[WriteTarget] = []
 
 
-def push_notif(pd_request_id: str, token: str = "") -> bytes:
-    """The NIXL notification that tells D a WRITE has landed: ``pdx:<token>/<id>``."""
-    return b"pdx:" + token.encode() + b"/" + pd_request_id.encode()
+def push_notif(pd_request_id: str, token: str = "", writer: int = 0, writers: int = 1
+               ) -> bytes:
+    """The NIXL notification that tells D a WRITE has landed:
+    ``pdx:<token>/<id>``; ``pdx:<token>.<writer>.<writers>/<id>`` when
+    ``writers`` P ranks write into one D rank (each must land)."""
+    tag = token if writers == 1 else f"{token}.{writer}.{writers}"
+    return b"pdx:" + tag.encode() + b"/" + pd_request_id.encode()
 
 
 def parse_push_notif(msg: bytes) -> tuple[str, str] | None:
-    """(pd_request_id, token) of a WRITE notification; None for anything else."""
+    """(pd_request_id, tag) of a WRITE notification; None for anything else.
+    ``notif_writer`` splits the tag."""
     if not msg.startswith(b"pdx:") or b"/" not in msg:
         return None
     token, _, pd_id = msg[4:].partition(b"/")
     return pd_id.decode(errors="replace"), token.decode(errors="replace")
+
+
+def notif_writer(tag: str) -> tuple[str, int, int]:
+    """A notification tag as (token, writer P rank, writers); a plain token
+    is one writer. A malformed suffix is (tag, 0, 1): it matches no token."""
+    token, sep, rest = tag.partition(".")
+    if not sep:
+        return tag, 0, 1
+    writer, _, writers = rest.partition(".")
+    if not (re.fullmatch(r"[0-9]{1,4}", writer) and re.fullmatch(r"[0-9]{1,4}", writers)):
+        return tag, 0, 1
+    # ``writer`` is the P rank (any of P's), ``writers`` how many write here.
+    n = int(writers)
+    if not (int(writer) < MAX_TP_SIZE and 1 <= n <= MAX_TP_SIZE):
+        return tag, 0, 1
+    return token, int(writer), n
 
 
 Request = (HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushWaiting | PushAbort

@@ -25,8 +25,9 @@ logger = get_logger(__name__)
 
 #: Seconds a notification without a spec is kept.
 EARLY_TTL_S = 120.0
-#: Distinct tokens kept per early push id (the real one plus a few forgeries).
-MAX_EARLY_TOKENS = 4
+#: Distinct tags kept per early push id: one per P rank writing into this
+#: rank (up to 64, P sharded more finely than D), plus a few forgeries.
+MAX_EARLY_TOKENS = 4 + 64
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,27 @@ class PushReceiver:
                 tokens[token] = now
         out = []
         for pd_id in [p for p in self._early if p in self._expected]:
-            tokens = self._early.pop(pd_id)
+            tokens = self._early[pd_id]
             spec, since = self._expected[pd_id]
-            if spec.notif_token not in tokens:
+            tags = [proto.notif_writer(t) for t in tokens]
+            ours = [(w, n) for tok, w, n in tags if tok == spec.notif_token]
+            if len(ours) < len(tags):
                 # Not from the P this push was registered with: it does not count.
-                self.num_foreign += len(tokens)
+                self.num_foreign += len(tags) - len(ours)
                 logger.warning("PDConnector: notification for push %s without its "
                                "registration's token dropped (not from the P it was "
                                "registered with)", pd_id)
+                for tag, (tok, _, _) in zip(list(tokens), tags, strict=True):
+                    if tok != spec.notif_token:
+                        del tokens[tag]
+            # P sharded unlike D: every P rank writing into this rank notifies
+            # (``writer`` of ``writers``); the KV is in once all of them are.
+            writers = {n for _, n in ours}
+            if not ours or len(writers) != 1 or len({w for w, _ in ours}) < writers.pop():
+                if not tokens:
+                    del self._early[pd_id]
                 continue
+            del self._early[pd_id]
             del self._expected[pd_id]
             self._by_request.pop(spec.request_id, None)
             out.append(Landed(spec, now - since))

@@ -10,7 +10,10 @@ thread survives any exception: a bug fails at most the order it hit.
 Per order: load D's agent (see below), build coalesced descriptors (one per
 contiguous run, as in pull), post one WRITE carrying the notification
 ``pdx:<token>/<pd_request_id>`` (NIXL delivers it after the data), poll it with the
-other in-flight WRITEs, release the handle. Then:
+other in-flight WRITEs, release the handle. When P and D shard differently
+(``WriteOrder.targets``, ``tp_slices``), one WRITE per D rank this rank
+writes head slices to, each notifying ``pdx:<token>.<rank>.<writers>/<id>``,
+and the order settles once every one of them did. Then:
 
 - success: release this rank's lease share on P (P frees its blocks);
 - failure: release the lease share with ``ok=False`` and the reason, only
@@ -44,7 +47,8 @@ import zmq
 
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport import Transport, TransportError, XferState
-from vllm_pd_ext.transport.coalesce import build_descriptors
+from vllm_pd_ext.transport.coalesce import Descriptor, build_descriptors
+from vllm_pd_ext.transport.tp_slices import Slice, slice_descriptors
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
@@ -57,16 +61,34 @@ REAP_EVERY_S = 1.0
 
 
 @dataclass
-class _Write:
-    order: proto.WriteOrder
+class _Part:
+    """One WRITE of an order: to one D rank's agent."""
+
     peer: CachedAgent
     handle: Any
+    state: XferState = XferState.PROC
+    released: bool = False
+
+
+@dataclass
+class _Write:
+    order: proto.WriteOrder
+    parts: list[_Part]
     posted: float
     deadline: float
     nbytes: int
     ndescs: int
-    state: XferState = XferState.PROC
     stuck_logged: bool = False
+    #: A post that failed after an earlier part was posted: the order fails
+    #: once the posted parts settled.
+    error: str = ""
+
+    @property
+    def state(self) -> XferState:
+        states = {p.state for p in self.parts}
+        return (XferState.PROC if XferState.PROC in states
+                else XferState.ERR if XferState.ERR in states or self.error
+                else XferState.DONE)
 
 
 class Pusher:
@@ -141,37 +163,62 @@ class Pusher:
             self._finish_failed(order, "D's registration window closed before P could post "
                                 "the WRITE")
             return
+        plan: list[tuple[CachedAgent, list[Descriptor], bytes]] = []
         try:
-            peer = self._agents.load(order.agent, order.d_engine_id, order.d_engine_id)
+            targets: list[proto.WriteTarget | None] = [*order.targets] or [None]
+            for target in targets:
+                agent = order.agent if target is None else target.agent
+                heads = None if target is None else (target.p_heads, target.d_heads)
+                peer = self._agents.load(agent, order.d_engine_id, order.d_engine_id, heads)
+                plan.append((peer, self._descriptors(order, peer, target),
+                             proto.push_notif(order.pd_request_id, order.notif_token,
+                                              self.tp_rank if target else 0,
+                                              target.writers if target else 1)))
         except AgentMismatch as exc:
             self._finish_failed(order, str(exc))
             return
         except Exception as exc:  # nothing posted: releasing the blocks is safe
             self._finish_failed(order, f"WRITE could not be prepared: {exc}")
             return
-        try:
-            descs = build_descriptors(order.src_block_ids, order.dst_block_ids, self.regions,
-                                      order.agent.regions)
-        except Exception as exc:  # this order's blocks; the agent is fine
-            self._finish_failed(order, f"WRITE could not be prepared: {exc}")
-            return
         # Counted before the post: if the post raises something unexpected it
         # may have started, and the agent must then never be removed.
-        self._agents.acquire(peer)
-        try:
-            # Timed from before the post: on one host UCX copies inside it.
-            posted = time.monotonic()
-            handle = self.transport.post_write(peer.name, descs, order.agent.device_id,
-                                               proto.push_notif(order.pd_request_id,
-                                                                order.notif_token))
-        except (TransportError, ValueError) as exc:
+        for peer, _, _ in plan:
+            self._agents.acquire(peer)
+        parts: list[_Part] = []
+        error = ""
+        # Timed from before the post: on one host UCX copies inside it.
+        posted = time.monotonic()
+        for peer, descs, notif in plan:
+            try:
+                parts.append(_Part(peer, self.transport.post_write(
+                    peer.name, descs, peer.agent.device_id, notif)))
+            except (TransportError, ValueError) as exc:
+                self._agents.retire(peer)
+                error = f"WRITE could not be posted: {exc}"
+                break
+        for peer, _, _ in plan[len(parts):]:
             self._agents.release(peer)
-            self._agents.retire(peer)
-            self._finish_failed(order, f"WRITE could not be posted: {exc}")
+        if not parts:
+            self._finish_failed(order, error)
             return
-        self._inflight.append(_Write(order, peer, handle, posted,
-                                     posted + self.transfer_timeout_s,
-                                     sum(n for _, _, n in descs), len(descs)))
+        self._inflight.append(_Write(order, parts, posted, posted + self.transfer_timeout_s,
+                                     sum(n for _, d, _ in plan for _, _, n in d),
+                                     sum(len(d) for _, d, _ in plan), error=error))
+
+    def _descriptors(self, order: proto.WriteOrder, peer: CachedAgent,
+                     target: proto.WriteTarget | None) -> list[Descriptor]:
+        """(P's address, D's address, bytes): whole blocks, or ``target``'s
+        head slices (built as D would read them, then turned around)."""
+        if target is None:
+            return build_descriptors(order.src_block_ids, order.dst_block_ids, self.regions,
+                                     peer.agent.regions)
+        out: list[Descriptor] = []
+        for p_head, d_head, num in target.slices:
+            sl = Slice(self.tp_rank, p_head, d_head, num)
+            out += [(p, d, n) for d, p, n in slice_descriptors(
+                order.dst_block_ids, order.src_block_ids, peer.agent.regions, self.regions,
+                sl, target.d_heads, target.p_heads)]
+        return out
 
     def _reap(self, now: float) -> None:
         if now < self._next_reap:
@@ -182,36 +229,44 @@ class Pusher:
     def _progress(self) -> None:
         now = time.monotonic()
         for w in list(self._inflight):
-            if w.state is XferState.PROC:
+            for part in w.parts:
+                if part.state is not XferState.PROC:
+                    continue
                 try:
-                    w.state = self.transport.poll(w.handle)
+                    part.state = self.transport.poll(part.handle)
                 except Exception:  # the contract says ERR, never raise
                     logger.exception("PDConnector: polling the WRITE for %s failed",
                                      w.order.pd_request_id)
-                    w.state = XferState.ERR
-                if w.state is XferState.PROC and now > w.deadline:
-                    w.state = XferState.ERR
+                    part.state = XferState.ERR
+                if part.state is XferState.PROC and now > w.deadline:
+                    part.state = XferState.ERR
                     logger.error("PDConnector: WRITE for %s passed transfer_timeout",
                                  w.order.pd_request_id)
             if w.state is XferState.PROC:
                 continue
-            if not self._release_handle(w):
+            if not self._release_handles(w):
                 continue
             self._inflight.remove(w)
-            self._agents.release(w.peer)
+            for part in w.parts:
+                self._agents.release(part.peer)
+                if part.state is XferState.ERR:
+                    self._agents.retire(part.peer)
             if w.state is XferState.DONE:
                 self._finish_ok(w, time.monotonic())
             else:
-                self._agents.retire(w.peer)
-                self._finish_failed(w.order, "NIXL reported an error for the WRITE")
+                self._finish_failed(w.order, w.error or "NIXL reported an error for the WRITE")
 
-    def _release_handle(self, w: _Write) -> bool:
-        try:
-            released = self.transport.release(w.handle)
-        except Exception:  # treated as "may still be in flight": try again later
-            logger.exception("PDConnector: releasing the WRITE handle for %s failed",
-                             w.order.pd_request_id)
-            released = False
+    def _release_handles(self, w: _Write) -> bool:
+        """Release every part's handle; True once none is left."""
+        for part in w.parts:
+            if part.released:
+                continue
+            try:
+                part.released = self.transport.release(part.handle)
+            except Exception:  # treated as "may still be in flight": try again later
+                logger.exception("PDConnector: releasing the WRITE handle for %s failed",
+                                 w.order.pd_request_id)
+        released = all(p.released for p in w.parts)
         if not released and not w.stuck_logged:
             w.stuck_logged = True
             logger.error("PDConnector: WRITE for %s ended (%s) but its handle cannot be "
