@@ -52,7 +52,8 @@ TP_EPS = near_tie_nats("bfloat16", tensor_parallel=True)
 @pytest.fixture(scope="module")
 def x2(p: Engine, d: Engine, model: str) -> Iterator[Engine]:
     e = Engine("x2-tp2", model, log_dir("tp"), role="kv_both", cpu_bind="0|1", tp_size=2,
-               failure_policy="fail", extra_args=SERVE_ARGS)
+               failure_policy="fail", extra_args=SERVE_ARGS,
+               extra_config={"transfer_telemetry_in_response": True})
     with engine_set(e):
         yield e
         assert_nothing_held([p, e], [d, e], model, within_s=20, what="tp")
@@ -74,6 +75,11 @@ def test_p_tp1_to_d_tp2_matches_collocated_and_moves_kv(
     assert delta(before, after, KV_BYTES) == blocks_for(n_tokens) * TINY_LAYERS * TINY_BLOCK_BYTES
     # A head slice is one range per block and layer, on each of the 2 ranks.
     assert delta(before, after, DESCRIPTORS) == 2 * blocks_for(n_tokens) * TINY_LAYERS
+    # D's answer carries one transfer record, both ranks' merged (even when
+    # they finished in different steps).
+    rec = got["kv_transfer_params"]["pd_transfer"]
+    assert rec["ranks"] == 2 and rec["outcome"] == "ok", rec
+    assert rec["bytes"] == delta(before, after, KV_BYTES)
 
 
 def test_p_tp2_to_d_tp1_matches_collocated_and_moves_kv(
