@@ -122,7 +122,8 @@ def main() -> int:
         print(f"KV bytes moved:         {kv_bytes} ({kv_bytes / 2**20:.2f} MiB)")
         descs = delta("vllm:pd_ext_kv_descriptors_total") or p_delta(
             "vllm:pd_ext_kv_descriptors_total")
-        print(f"KV blocks / descriptors: {delta('vllm:pd_ext_kv_blocks_total')} / {descs}")
+        ranks = f" (summed over D's {d_tp} ranks)" if d_tp > 1 else ""
+        print(f"KV blocks / descriptors: {delta('vllm:pd_ext_kv_blocks_total')} / {descs}{ranks}")
         if args.transfer_mode == "push":
             print(f"P's WRITEs / bytes:     {p_delta('vllm:pd_ext_kv_writes_total')} / "
                   f"{p_delta('vllm:pd_ext_kv_bytes_written_total')}")
