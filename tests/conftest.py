@@ -23,6 +23,7 @@ reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Generator
@@ -65,6 +66,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return "engines-" + lanes.lane_of(nodeid.split("::", 1)[0])
 
     return TierScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller of a full run (``tests/run.sh``: ``--dist
+    loadgroup``) starts the e2e lanes' one shared reference engine
+    (tests/e2e/shared_ref.py) before it spawns the workers."""
+    if (config.getvalue("dist") == "loadgroup" and not hasattr(config, "workerinput")
+            and "not engine" not in (config.getoption("markexpr") or "")):
+        from tests.e2e.shared_ref import serve_shared_ref
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(serve_shared_ref())
+        config.add_cleanup(stack.close)
 
 
 def _no_skip() -> bool:

@@ -425,3 +425,58 @@ def test_close_while_a_handler_is_busy_never_closes_the_socket_under_it(service,
     assert not srv._thread.is_alive() and srv._sock.closed
     again = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, service)
     again.close()
+
+
+def _agent(rank: int) -> proto.AgentInfo:
+    return proto.AgentInfo(tp_rank=rank, agent_name=f"eng-p-tp{rank}-x", agent_metadata=b"m",
+                           mem_type="DRAM", regions=[proto.Region(0, 128, 128, 4)])
+
+
+def test_handshake_across_tp_sizes_names_the_p_rank_and_sends_every_agent(client):
+    """Issue 26: P TP=2 (2 heads, one per rank) answers a TP=1 D's rank 0
+    with both ranks' agents; a TP=4 D's rank 3 reads P rank 1 first."""
+    port = free_port()
+    p = compat(tp_size=2, num_kv_heads=1, total_kv_heads=2)
+    srv = SideChannelServer(HOST, port, "eng-p", p, {0: _agent(0), 1: _agent(1)}, None)
+    try:
+        reply = client.request(HOST, port, proto.HandshakeRequest(
+            engine_id="eng-d", tp_rank=0, compat=compat(total_kv_heads=2)))
+        assert isinstance(reply, proto.HandshakeReply)
+        assert reply.agent.tp_rank == 0 and [a.tp_rank for a in reply.agents] == [0, 1]
+        reply = client.request(HOST, port, proto.HandshakeRequest(
+            engine_id="eng-d", tp_rank=3,
+            compat=compat(tp_size=4, num_kv_heads=1, total_kv_heads=2)))
+        assert isinstance(reply, proto.HandshakeReply) and reply.agent.tp_rank == 1
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize(("theirs", "named"), [
+    (dict(tp_size=3, num_kv_heads=2, total_kv_heads=6), "total_kv_heads differs"),
+    (dict(tp_size=1, num_kv_heads=2, total_kv_heads=2, kv_layout="LBNHC"), "kv_layout differs"),
+    (dict(tp_size=4, num_kv_heads=1, total_kv_heads=0), "tp_size differs"),
+])
+def test_handshake_refuses_what_cannot_be_sliced_by_name(client, theirs, named):
+    port = free_port()
+    p = compat(tp_size=2, num_kv_heads=1, total_kv_heads=2)
+    srv = SideChannelServer(HOST, port, "eng-p", p, {0: _agent(0), 1: _agent(1)}, None)
+    try:
+        with pytest.raises(SideChannelError, match=named) as err:
+            client.request(HOST, port, proto.HandshakeRequest(
+                engine_id="eng-d", tp_rank=0, compat=compat(**theirs)))
+        assert err.value.code == proto.ErrorCode.INCOMPATIBLE
+    finally:
+        srv.close()
+
+
+def test_handshake_refuses_sizes_that_do_not_divide_by_name(client):
+    port = free_port()
+    p = compat(tp_size=2, num_kv_heads=3, total_kv_heads=6)
+    srv = SideChannelServer(HOST, port, "eng-p", p, {0: _agent(0), 1: _agent(1)}, None)
+    try:
+        with pytest.raises(SideChannelError, match="tensor parallelism cannot be mapped"):
+            client.request(HOST, port, proto.HandshakeRequest(
+                engine_id="eng-d", tp_rank=0,
+                compat=compat(tp_size=3, num_kv_heads=2, total_kv_heads=6)))
+    finally:
+        srv.close()

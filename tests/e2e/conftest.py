@@ -29,7 +29,7 @@ from tests.e2e import lanes
 from tests.e2e.conformance import SERVE_ARGS
 from tests.e2e.engine_set import started
 from tests.e2e.helpers import build_model, log_dir
-from vllm_pd_ext import QUIET_SPIN_ENV
+from tests.e2e.shared_ref import SharedEngine, make_ref, shared_ref
 from vllm_pd_ext.testing.engines import Engine
 
 pytestmark = pytest.mark.engine
@@ -76,11 +76,8 @@ class SessionEngines:
     def _make(self, name: str) -> Engine:
         model, logs = self.model, self.logs
         if name == "ref":
-            # SERVE_ARGS: what the request-parity cases need (test_conformance.py).
-            # Quiet: a plain engine's queue readers spin 1 s after every
-            # message, about a CPU-second per reference answer on 2 cores.
-            return Engine("ref", model, logs, connector=None, cpu_bind="0",
-                          extra_args=SERVE_ARGS, env={QUIET_SPIN_ENV: "1"})
+            # The run's shared reference (tests/e2e/shared_ref.py), else our own.
+            return shared_ref(model, logs) or make_ref(model, logs)
         if name == "p":
             return Engine("p", model, logs, role="kv_producer", cpu_bind="0",
                           extra_args=SERVE_ARGS)
@@ -105,7 +102,10 @@ class SessionEngines:
         missing = [n for n in dict.fromkeys(names) if n not in self.engines]
         if missing:
             engines = {n: self._make(n) for n in missing}
-            self._sets.enter_context(started(*engines.values()))
+            # A shared engine is the controller's to start, stop and count.
+            own = [e for e in engines.values() if not isinstance(e, SharedEngine)]
+            if own:
+                self._sets.enter_context(started(*own))
             self.engines.update(engines)
 
     def get(self, *names: str) -> dict[str, Engine]:
