@@ -7,8 +7,8 @@ PDConnector producer, ``d`` a consumer with ``kv_load_failure_policy=fail``
 (``test_isolation.py`` freezes it and ``test_drain.py`` drains it, late in
 the ``session`` lane). Each lane (tests/e2e/lanes.py) says which of them
 its modules use, and a module's first use starts those together; under
-``tests/run.sh`` each lane runs in a process of its own, so the
-``own-sets`` lane's process starts only its ``ref``. Modules whose engines
+``tests/run.sh`` each lane runs in a process of its own, and every lane
+uses the one ``ref`` the run's controller started (``shared_ref.py``). Modules whose engines
 need another configuration start their own set (``engine_set.py``, within
 the engine budget every process shares), and stop it when the module ends.
 

@@ -17,8 +17,9 @@ engines.
   ``p2`` and ``d`` for good (SIGTERM: they exit), so no module after them
   in this lane could use those engines.
 - ``own-sets``: modules that start engine sets of their own and use, of
-  the session, only the collocated ``ref`` engine (the oracle): a lane
-  whose worker starts ``ref`` alone.
+  the session, only the collocated ``ref`` engine (the oracle), which in a
+  full run is the one the controller shares with every lane
+  (tests/e2e/shared_ref.py).
 
 Each lane is balanced to about half of the e2e tier's time (per-module
 times in docs/testing.md). An unlisted module runs first in the

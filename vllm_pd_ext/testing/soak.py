@@ -308,17 +308,19 @@ class Soak:
     # ----------------------------------------------------------- faults
     def _fault_loop(self) -> None:
         c = self.cluster
-        if self.cfg.scenario == "rolling":
-            order = [c.ps[0].name, c.ds[0].name, c.ps[1].name, c.ds[1].name]
-            rounds = max(1, -(-self.cfg.faults // len(order)))
-            schedule = rolling_schedule(order, rounds)[:max(self.cfg.faults, 1)]
-        else:
-            schedule = make_schedule(self.cfg.seed, [e.name for e in c.engines],
-                                     [d.name for d in c.ds], self.cfg.lease_s, self.cfg.faults,
-                                     kinds=fault_kinds(self.cfg))
-        self.schedule = schedule
         healed = 0.0
+        # Everything inside the try: a schedule that cannot be made must still
+        # end the run (``faults_done``), never leave it waiting with engines up.
         try:
+            if self.cfg.scenario == "rolling":
+                order = [c.ps[0].name, c.ds[0].name, c.ps[1].name, c.ds[1].name]
+                rounds = max(1, -(-self.cfg.faults // len(order)))
+                schedule = rolling_schedule(order, rounds)[:max(self.cfg.faults, 1)]
+            else:
+                schedule = make_schedule(self.cfg.seed, [e.name for e in c.engines],
+                                         [d.name for d in c.ds], self.cfg.lease_s,
+                                         self.cfg.faults, kinds=fault_kinds(self.cfg))
+            self.schedule = schedule
             for fault in schedule:
                 wait = max(fault.at_s, healed + 2.0) - self.clock()
                 if wait > 0:
@@ -625,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
         tp = parse_tp_pair(args.tp)
     except ValueError as exc:
         ap.error(str(exc))
+    kinds = fault_kinds(SoakConfig(netns=args.netns, scenario=args.scenario))
+    if args.scenario == "chaos" and args.faults < len(kinds):
+        # Checked before any engine starts (it used to surface in the fault
+        # thread once the engines were up, and the run then waited forever).
+        ap.error(f"--faults {args.faults}: the chaos scenario fires each of its {len(kinds)} "
+                 "fault classes at least once")
     model = args.model
     if model is None:
         model = str(REPO / ".models" / "tiny")
