@@ -18,8 +18,9 @@ for an unsigned leg; the middleware is what turns that into a clear 4xx.
 
 Lifecycle: one instance per API server process, built by vLLM with the app;
 it reads the secret once, from the same ``--kv-transfer-config`` the
-connector gets. Only a POST whose body mentions ``kv_transfer_params`` is
-buffered and parsed; the body is then handed on unchanged.
+connector gets. Only a POST whose body can decode to ``kv_transfer_params``
+(its bytes, or any ``\\u`` escape that could spell them) is parsed; the
+body is then handed on unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ logger = get_logger(__name__)
 #: --max-request-bytes is 64 MiB).
 MAX_BODY_BYTES = 256 << 20
 _MARKER = b"kv_transfer_params"
+#: A JSON ``\uXXXX`` escape: a key spelled with one (``"kv_transfer\u005fparams"``)
+#: decodes to ``kv_transfer_params`` without its bytes in the body.
+_ESCAPE = b"\\u"
+
+
+def may_carry_params(body: bytes) -> bool:
+    """Whether ``body`` can decode to an object with ``kv_transfer_params``
+    (cheap: most requests skip the parse). Only a ``\\u`` escape can spell
+    the key without its bytes (none of its characters has another JSON
+    escape), so a body with neither is parsed by no one here."""
+    return _MARKER in body or _ESCAPE in body
 
 
 def keyring_from_argv(argv: list[str] | None = None) -> tuple[auth.Keyring | None, float]:
@@ -124,7 +136,7 @@ class LegAuthMiddleware:
             if not message.get("more_body"):
                 break
         body = b"".join(chunks)
-        if _MARKER in body:
+        if may_carry_params(body):
             rid = _header(scope, b"x-request-id")
             problem = check_leg(self.keyring, body, rid, time.time(), self.window_s)
             if problem is not None:

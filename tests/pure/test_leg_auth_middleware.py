@@ -110,3 +110,28 @@ def test_the_secret_is_read_from_the_engines_kv_transfer_config(tmp_path) -> Non
     assert kr is not None and not kr.keys
     with pytest.raises(auth.AuthError):
         auth.verify_leg(kr, signed(D_PARAMS)["kv_transfer_params"])
+
+
+def test_a_key_spelled_with_a_json_escape_is_still_checked() -> None:
+    """Issue 27 item 2: ``"kv_transfer\\u005fparams"`` decodes to the key
+    without its bytes in the body; it used to skip every check."""
+    app = App()
+    mw = LegAuthMiddleware(app, keyring=KR)
+    raw = json.dumps(dict(BODY, kv_transfer_params=D_PARAMS)).replace(
+        '"kv_transfer_params"', '"kv_transfer\\u005fparams"').encode()
+    assert b"kv_transfer_params" not in raw
+    assert json.loads(raw)["kv_transfer_params"] == D_PARAMS
+    sent: list[Any] = []
+    queue = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> Any:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(msg: Any) -> None:
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"x-request-id", b"rid-1")], "client": ("10.0.0.9", 1)}
+    asyncio.run(mw(scope, receive, send))
+    assert sent[0]["status"] == 401 and app.bodies == []
+    assert "not signed" in json.loads(sent[1]["body"])["error"]["message"]
