@@ -27,13 +27,21 @@ QUIET_SPIN_ENV = "VLLM_PD_EXT_QUIET_SHM_SPIN"
 def register() -> None:
     """Register ``PDConnector`` with vLLM (idempotent); with
     ``VLLM_PD_EXT_QUIET_SHM_SPIN=1``, also quiet vLLM's shared-memory queue
-    readers in this process, for engines that load no connector of ours."""
+    readers in this process, for engines that load no connector of ours.
+    In ``vllm serve``'s own process, which starts several API servers with
+    ``--api-server-count N``, give its SIGTERM the drain window
+    (``compat/serve_parent.py``): vLLM loads plugins there while it builds
+    its parser, before it reads the arguments."""
     import os
 
-    from vllm_pd_ext.compat import register_connector
+    from vllm_pd_ext.compat import register_connector, serve_parent
 
     register_connector(CONNECTOR_NAME, "vllm_pd_ext.connector", CONNECTOR_NAME)
     if os.environ.get(QUIET_SPIN_ENV) == "1":
         from vllm_pd_ext.compat import patches
 
         patches.apply_once(patches.Process.PLUGIN)
+    if serve_parent.is_serve_parent():
+        from vllm_pd_ext.compat import patches
+
+        patches.apply_once(patches.Process.SERVE_PARENT)

@@ -66,10 +66,11 @@ class PDConfig:
     #: on their notification instead of spinning for 1 s after every
     #: message (compat.quiet_shm_spin).
     quiet_shm_spin: bool = True
-    #: Seconds a drain (SIGTERM or POST /pd/drain, drain.py) may take: the
-    #: engine refuses new requests, answers the admitted ones, serves the
-    #: leases it granted, then exits. Also vLLM's --shutdown-timeout when
-    #: that is 0; 0 here keeps vLLM's abort-at-once.
+    #: Seconds a drain (SIGTERM or POST /pd/drain, drain.py) may take in all:
+    #: the engine refuses new requests, answers the admitted ones, serves
+    #: the leases it granted in what is left, then exits. Also vLLM's
+    #: --shutdown-timeout when that is 0 (in vllm serve's parent of several
+    #: API servers too); 0 here keeps vLLM's abort-at-once.
     drain_timeout: float = 120.0
     #: The address P advertises to D and to the proxy for its side channel;
     #: default side_channel_host. Needed when that binds 0.0.0.0 or ::.

@@ -38,6 +38,7 @@ COUNTERS = (
     "kept_blocks",
     "num_turns_not_kept",
     "num_turns_expired",
+    "num_turns_evicted",
     "num_readbacks",
     "readback_tokens",
     "readback_bytes",
@@ -177,10 +178,15 @@ class PDPromMetrics(KVConnectorPromMetrics):
             "kept_blocks": counter("kept_blocks", "Multi-turn: blocks D kept (D)."),
             "num_turns_not_kept": counter(
                 "turns_not_kept",
-                "Multi-turn: turns not kept, decoder_kv_blocks_budget full of read turns (D)."),
+                "Multi-turn: turns not kept, decoder_kv_blocks_budget full of read turns "
+                "or the engine shutting down (D)."),
             "num_turns_expired": counter(
                 "turns_expired",
                 "Multi-turn: kept turns whose next turn never read them in time (D)."),
+            "num_turns_evicted": counter(
+                "turns_evicted",
+                "Multi-turn: unread kept turns ended early because vLLM ran short of KV "
+                "blocks (D)."),
             "num_readbacks": counter(
                 "readback_transfers", "Multi-turn: previous turns read back from D (P)."),
             "readback_tokens": counter(

@@ -90,7 +90,8 @@ class RequestContext:
     error: str | None = None
     # The prompt's digest the legs are signed with (computed on first use).
     prompt_digest: str | None = None
-    # Multi-turn: take D's kv_transfer_params out of its answer (kept here).
+    # Multi-turn: D keeps this turn (pd_bidirectional) and its answer's
+    # kv_transfer_params, which no client sees anyway, are kept here.
     capture_kv: bool = False
     kept_turn: dict[str, Any] | None = None
     # --transfer-telemetry / --otel: the legs' timings (vllm_pd_proxy.telemetry).

@@ -20,11 +20,17 @@ whichever is first, and the store is bounded (least recently used go first).
 
 Conversation key, first found: the ``X-Session-Id`` header (name set by
 ``--session-header``), the body's ``conversation_id`` (vLLM's multi-turn demo
-proxy; removed before the body reaches an engine), else a hash of the model
-and the conversation's opening (chat: the messages up to the first user
-message; completions: the first 256 characters or 64 token ids). Two
-conversations with the same opening share a key: harmless, since P reads back
-only what matches its own prompt.
+proxy; removed before the body reaches an engine), else a hash of the model,
+the ``user`` field and the conversation's opening (chat: the messages up to
+the first user message; completions: the first 256 characters or 64 token
+ids). Two conversations of one tenant with the same opening share a key:
+harmless, since P reads back only what matches its own prompt.
+
+Every key is scoped by the request's ``cache_salt`` (vLLM's per-tenant
+prefix-cache isolation): a request with a salt never shares a key with one
+without or with another salt, whatever header or ``conversation_id`` it
+names, so one tenant can neither take nor end another's kept turn. The
+engines check the same on their side (``remote_hash_scope``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from vllm_pd_ext.wire.protocol import KVTransferParams, ParamsError, decode_para
 EXPIRY_MARGIN_S = 5.0
 #: Longest key taken from a client (header or conversation_id).
 MAX_KEY_LEN = 256
+#: How D's answer names its params (vLLM writes compact JSON), and says it has none.
+_KV_KEY = b'"kv_transfer_params"'
+_KV_NULL = b'"kv_transfer_params":null'
 #: Bytes counted per entry besides its params (key, URL, objects).
 _ENTRY_OVERHEAD = 256
 #: The kv_transfer_params fields P needs to read a kept turn back.
@@ -54,6 +63,7 @@ _READBACK_FIELDS = (
     "remote_block_hashes",
     "remote_blocks_expiry_time",
     "remote_num_tokens",
+    "remote_hash_scope",
     "tp_size",
 )
 
@@ -180,11 +190,12 @@ def conversation_key(
 ) -> str | None:
     """The conversation's key (see the module docstring); pops ``conversation_id``."""
     given = body.pop("conversation_id", None)
+    salt = body.get("cache_salt")
     raw = headers.get(header)
     if raw:
-        return "h:" + raw[:MAX_KEY_LEN]
+        return _salted("h", raw[:MAX_KEY_LEN], salt)
     if isinstance(given, str | int) and not isinstance(given, bool) and str(given):
-        return "c:" + str(given)[:MAX_KEY_LEN]
+        return _salted("c", str(given)[:MAX_KEY_LEN], salt)
     opening: Any
     if chat:
         messages = body.get("messages")
@@ -205,38 +216,49 @@ def conversation_key(
             return None
     digest = hashlib.sha256(
         json.dumps(
-            [body.get("model"), body.get("user"), opening], sort_keys=True, default=str
+            [body.get("model"), body.get("user"), salt, opening], sort_keys=True, default=str
         ).encode()
     ).hexdigest()
     return "p:" + digest[:32]
 
 
+def _salted(kind: str, name: str, salt: Any) -> str:
+    """A client-named key: ``kind:name`` as given without a salt; with one, a
+    digest of both under another prefix (``hs:``, ``cs:``), so no name, with
+    or without a salt, can spell another salt's key."""
+    if salt is None:
+        return f"{kind}:{name}"
+    digest = hashlib.sha256(json.dumps([name, salt], default=str).encode()).hexdigest()
+    return f"{kind}s:{digest[:32]}"
+
+
 def extract_kv_params(payload: bytes, sse: bool) -> tuple[bytes, dict[str, Any] | None]:
     """Take ``kv_transfer_params`` out of a D answer (a JSON body, or complete
     SSE events); returns the payload without them, and the params. Bytes
-    without the key are returned as they are, unparsed."""
-    if b'"kv_transfer_params"' not in payload:
+    without the key, or where it is ``null`` (vLLM's answer when the
+    connector said nothing), are returned as they are, unparsed or unchanged."""
+    if payload.count(_KV_KEY) == payload.count(_KV_NULL):  # the common case
         return payload, None
     if not sse:
         try:
             body = json.loads(payload)
         except ValueError:
             return payload, None
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) or body.get("kv_transfer_params") is None:
             return payload, None
-        found = body.pop("kv_transfer_params", None)
+        found = body.pop("kv_transfer_params")
         return json.dumps(body, separators=(",", ":")).encode(), _as_dict(found)
     out: list[bytes] = []
     params: dict[str, Any] | None = None
     for event in payload.split(b"\n\n"):
-        if event.startswith(b"data: {") and b'"kv_transfer_params"' in event:
+        if event.startswith(b"data: {") and _KV_KEY in event:
             try:
                 body = json.loads(event[6:])
             except ValueError:
                 out.append(event)
                 continue
-            if isinstance(body, dict):
-                params = _as_dict(body.pop("kv_transfer_params", None)) or params
+            if isinstance(body, dict) and body.get("kv_transfer_params") is not None:
+                params = _as_dict(body.pop("kv_transfer_params")) or params
                 event = b"data: " + json.dumps(body, separators=(",", ":")).encode()
         out.append(event)
     return b"\n\n".join(out), params

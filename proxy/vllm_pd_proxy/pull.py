@@ -13,7 +13,8 @@ sends to P in pull mode; stateless between requests. Per request:
    (``--prefill-retries``); a P leg that failed with a read-back in it is
    sent once more without;
 3. P's answer must carry ``kv_transfer_params``: they go to D verbatim (D
-   decodes and checks them), plus ``pd_bidirectional`` with ``--multi-turn``;
+   decodes and checks them), plus ``pd_bidirectional``: whether D keeps
+   the turn (only a ``--multi-turn`` turn with a key and ``n`` = 1);
 4. the D leg, re-dispatched to another D if the first refused it unrun
    (draining) or was never reached: any D can take P's lease.
 """
@@ -79,8 +80,9 @@ async def run_pull(
             "cache; is the engine running a KV connector with kv_role kv_producer or "
             "kv_both?",
         )
-    if ctx.capture_kv:
-        params = dict(params, pd_bidirectional=True)
+    # Always said: a D with bidirectional_kv_xfer would otherwise keep every
+    # turn (vLLM's multi-turn demo proxy relies on that) for nobody to read.
+    params = dict(params, pd_bidirectional=ctx.capture_kv)
     d_body = _encode(decode_body(body, up.sign(params, ctx, body)))
     tried: list[Backend] = []
     while True:

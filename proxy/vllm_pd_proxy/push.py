@@ -118,8 +118,8 @@ async def _run_legs(
     p_leg = affinity.with_readback(push_prefill_params(pd_id), turn)
     p_body = _encode(prefill_body(body, up.sign(p_leg, ctx, body), ctx.responses))
     d_leg = push_decode_params(identity, pd_id)
-    if ctx.capture_kv:
-        d_leg["pd_bidirectional"] = True
+    # Always said, as in pull: D keeps the turn only for --multi-turn.
+    d_leg["pd_bidirectional"] = ctx.capture_kv
     d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body)))
     # Both legs go out now: P pushes the KV while D is already waiting for it.
     p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))

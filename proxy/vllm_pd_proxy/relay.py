@@ -186,27 +186,28 @@ def _client_headers(ctx: RequestContext, resp: aiohttp.ClientResponse) -> dict[s
 
 
 def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response:
-    """A non-streaming answer: D's status, content type and body, verbatim
-    (multi-turn: less D's ``kv_transfer_params``, kept in ``ctx``)."""
+    """A non-streaming answer: D's status, content type and body, verbatim,
+    less D's ``kv_transfer_params`` (engine addresses and block ids never
+    reach a client; multi-turn keeps them in ``ctx``)."""
     body = opened.first
     if ctx.marks is not None:
         body = annotate(body, False, ctx.marks, ctx.request_id, keep_kv=ctx.capture_kv)
+    body, params = extract_kv_params(body, sse=False)
     if ctx.capture_kv:
-        body, ctx.kept_turn = extract_kv_params(body, sse=False)
+        ctx.kept_turn = params
     return web.Response(
         status=opened.resp.status, body=body, headers=_client_headers(ctx, opened.resp)
     )
 
 
 def client_events(ctx: RequestContext, events: bytes) -> bytes:
-    """Complete SSE events as the client gets them: multi-turn takes D's
-    kv_transfer_params out; telemetry puts ``pd_telemetry`` into the finishing one."""
+    """Complete SSE events as the client gets them: D's kv_transfer_params
+    taken out (multi-turn keeps them in ``ctx``); telemetry puts
+    ``pd_telemetry`` into the finishing one."""
     if ctx.marks is not None:
         events = annotate(events, True, ctx.marks, ctx.request_id, keep_kv=ctx.capture_kv)
-    if not ctx.capture_kv:
-        return events
     events, params = extract_kv_params(events, sse=True)
-    if params is not None:
+    if params is not None and ctx.capture_kv:
         ctx.kept_turn = params
     return events
 

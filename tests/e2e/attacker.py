@@ -1,4 +1,4 @@
-"""A third process on the KV network with the wrong secret (issue 12 item 6).
+"""A third process on the KV network with the wrong secret (issues 12 and 27).
 
 ``python -m tests.e2e.attacker SPEC_JSON`` tries, against real engines, to
 handshake with P (for its NIXL metadata), pin, renew and release one of P's
@@ -6,6 +6,14 @@ live leases, register a push, and send handoff legs to P and D over HTTP:
 unsigned, signed with its own (wrong) secret, and a legitimately signed leg
 paired with another prompt. It prints one JSON object: per attempt, the
 error code or HTTP status it got and whether any NIXL metadata came back.
+
+With ``"round": 2`` in the spec (issue 27) it instead floods P's side
+channel with many-part messages (each 512 MiB in 8 MiB frames, under the
+per-frame limit) from a plain socket and from a CURVE socket with a random
+key, and sends legs that used to slip past the checks: a captured signed P
+leg replayed after the window (as is, with the key escaped, and with
+another prompt), a fresh captured one replayed at once, escaped unsigned D
+and keep legs, and a signed leg with a batch of prompts.
 """
 
 from __future__ import annotations
@@ -31,13 +39,17 @@ def side_channel(client: SideChannelClient, host: str, port: int,
             "metadata": isinstance(reply, proto.HandshakeReply)}
 
 
-def http(url: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+def http(url: str, body: dict[str, Any], rid: str, escape: bool = False) -> dict[str, Any]:
+    data = json.dumps(body)
+    if escape:  # the key spelled with a JSON escape: decodes the same
+        data = data.replace('"kv_transfer_params"', '"kv_transfer\\u005fparams"')
+    req = urllib.request.Request(url + "/v1/completions", data=data.encode(),
                                  headers={"Content-Type": "application/json",
                                           "X-Request-Id": rid})
     try:
+        print(f"POST {url} {rid[:12]}", file=sys.stderr, flush=True)
         with urllib.request.urlopen(req, timeout=60) as r:
-            return {"status": r.status, "message": r.read()[:200].decode(errors="replace")}
+            return {"status": r.status, "message": r.read()[:4000].decode(errors="replace")}
     except urllib.error.HTTPError as exc:
         return {"status": exc.code, "message": exc.read()[:300].decode(errors="replace")}
 
@@ -81,5 +93,78 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+FRAME = 8 << 20
+FRAMES = 64  # 512 MiB a message
+MESSAGES = 4
+
+
+def flood(host: str, port: int, curve_keys: bool) -> dict[str, Any]:
+    """``MESSAGES`` many-part messages from one socket (one 8 MiB buffer
+    referenced by every frame: this process allocates it once)."""
+    import time
+
+    import zmq
+
+    from vllm_pd_ext.wire import curve
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_keys:  # the server's key is public by design; ours is random
+        public, secret = zmq.curve_keypair()
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.SERVER_PUBLIC_KEY)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    # A socket with no peer blocks: a refused handshake leaves none.
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
+    sock.connect(f"tcp://{host}:{port}")
+    chunk = memoryview(bytes(FRAME))
+    queued = 0
+    for _ in range(MESSAGES):
+        try:
+            sock.send_multipart([b"", *([chunk] * FRAMES)], copy=False)
+        except zmq.Again:
+            break
+        queued += 1
+    print(f"flood curve={curve_keys}: {queued} message(s) queued", file=sys.stderr, flush=True)
+    time.sleep(3.0)  # time to be read, had the handshake passed
+    try:
+        reply = sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        reply = None
+    sock.close()
+    ctx.term()
+    return {"queued_mib": queued * FRAMES * FRAME >> 20, "reply": reply is not None}
+
+
+def round_two(spec: dict[str, Any]) -> dict[str, Any]:
+    host, p_port = spec["host"], spec["p_side_channel"]
+    out: dict[str, Any] = {"flood_plain": flood(host, p_port, False),
+                           "flood_curve": flood(host, p_port, True)}
+    p_url, d_url = spec["p_url"], spec["d_url"]
+    stale, body, other = spec["stale_p_leg"], spec["body"], spec["other_body"]
+    rid = spec["rid"]
+    out["stale_p_leg"] = http(p_url, dict(body, kv_transfer_params=stale), rid)
+    out["stale_p_leg_escaped"] = http(p_url, dict(body, kv_transfer_params=stale), rid,
+                                      escape=True)
+    out["stale_p_leg_escaped_other_prompt"] = http(
+        p_url, dict(other, kv_transfer_params=stale), rid, escape=True)
+    fresh = spec["fresh_p_leg"]  # already used once by the operator
+    out["fresh_p_leg_replayed"] = http(p_url, dict(body, max_tokens=1,
+                                                   kv_transfer_params=fresh), rid)
+    out["fresh_p_leg_escaped_other_prompt"] = http(
+        p_url, dict(other, max_tokens=1, kv_transfer_params=fresh), rid, escape=True)
+    out["d_leg_unsigned_escaped"] = http(d_url, dict(body, kv_transfer_params=spec[
+        "unsigned_d_params"]), rid, escape=True)
+    out["keep_leg_unsigned"] = http(d_url, dict(body, kv_transfer_params={
+        "pd_bidirectional": True}), rid)
+    out["keep_leg_unsigned_escaped"] = http(d_url, dict(body, kv_transfer_params={
+        "pd_bidirectional": True}), rid, escape=True)
+    out["batch_p_leg"] = http(p_url, dict(spec["batch_body"], kv_transfer_params=spec[
+        "batch_p_leg"]), spec["batch_rid"])
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    spec = json.loads(sys.argv[1])
+    print(json.dumps(round_two(spec) if spec.get("round") == 2 else main(spec)))

@@ -45,6 +45,8 @@ LANES: dict[str, list[str]] = {
     ],
     OWN_SETS: [
         "test_auth_e2e.py", "test_intree_nixl.py", "test_multiturn.py",
+        # `vllm serve --api-server-count 2`: drained through vLLM's parent.
+        "test_drain_api_servers.py",
         "test_multiturn_push.py", "test_multihost.py",
         # Collected only with PD_EXT_TP_MATRIX=1 (tests/e2e/tp_matrix/conftest.py).
         "test_tp_matrix.py",

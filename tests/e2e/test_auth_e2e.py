@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -120,8 +121,9 @@ def test_attacker_with_the_wrong_secret_achieves_nothing(
     for name, res in side.items():
         assert res["code"] == "unauthenticated", (name, res)
         assert not res["metadata"], name
-    assert "unknown key id" in side["pin_wrong_key"]["message"]
-    assert "not signed" in side["pin_unsigned"]["message"]
+    # Both are refused in the CURVE handshake, before any message is read.
+    assert "not derived from this side's shared secret" in side["pin_wrong_key"]["message"]
+    assert "one side has a shared secret" in side["pin_unsigned"]["message"]
     assert legs["d_leg_unsigned"]["status"] == 401
     assert "not signed" in legs["d_leg_unsigned"]["message"]
     assert legs["d_leg_wrong_key"]["status"] == 401
@@ -153,7 +155,7 @@ def test_attacker_with_the_wrong_secret_achieves_nothing(
             break
         time.sleep(0.5)
         poke(p, model)
-    assert delta(p_before, p_after, UNAUTH) >= 10  # P got 10 of the 12 frames
+    assert delta(p_before, p_after, UNAUTH) >= 10  # 10 of the 12 handshakes were P's
     assert p_after["vllm:kv_cache_usage_perc"] == 0.0
     assert delta(p_before, p_after, "vllm:pd_ext_lease_expiries_total") == 0
 
@@ -168,3 +170,99 @@ def test_proxy_legs_are_signed_and_plain_requests_still_work(
     handoff_through(proxy, ref, d, body, 140)
     status, plain = d.post("/v1/completions", body)
     assert status == 200, plain
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The largest peak resident size (VmHWM) among ``pid`` and its
+    descendants: the EngineCore and its worker are children of the API server."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    peak = 0.0
+    for proc in procs:
+        try:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) / 1024)
+        except OSError:
+            continue
+    return peak
+
+
+def test_round_two_floods_replays_and_escaped_keys_achieve_nothing(
+        trio: tuple[Engine, Engine, Proxy], ref: Engine, model: str) -> None:
+    """Issue 27 items 1-3 and 5 on real engines, as a third process would."""
+    p, d, proxy = trio
+    handoff_through(proxy, ref, d,
+                    completion_body(model, token_prompt(200, seed=2701), max_tokens=8), 200)
+    body = completion_body(model, token_prompt(230, seed=2702), max_tokens=8)
+    other = completion_body(model, token_prompt(230, seed=2703), max_tokens=8)
+    rid = "victim2-" + uuid.uuid4().hex
+    p_leg = {"do_remote_decode": True}
+    stale = auth.sign_leg(KR, p_leg, rid, dict(body, max_tokens=1), now=time.time() - 45)
+    # A fresh leg the operator uses once (P pins a lease for it), captured.
+    p_body = dict(body, max_tokens=1)
+    fresh = auth.sign_leg(KR, p_leg, rid, p_body)
+    status, answer = p.post("/v1/completions", dict(p_body, kv_transfer_params=fresh),
+                            headers={"X-Request-Id": rid})
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    batch_rid = "batch-" + uuid.uuid4().hex
+    batch_body = completion_body(model, [token_prompt(40, seed=2704),
+                                         token_prompt(40, seed=2705)], max_tokens=1)
+    d_params = {k: v for k, v in auth.sign_leg(KR, params, rid, body).items()
+                if k != auth.LEG_FIELD}
+    spec = {"round": 2, "host": "127.0.0.1", "p_side_channel": p.side_channel_port,
+            "p_url": p.url, "d_url": d.url, "rid": rid, "body": p_body, "other_body": dict(
+                other, max_tokens=1), "stale_p_leg": stale, "fresh_p_leg": fresh,
+            "unsigned_d_params": d_params, "batch_rid": batch_rid, "batch_body": batch_body,
+            "batch_p_leg": auth.sign_leg(KR, p_leg, batch_rid, batch_body)}
+    p_before, d_before = p.metrics(), d.metrics()
+    peak_before = peak_rss_mib(p.proc.pid)  # type: ignore[union-attr]
+    try:
+        run = subprocess.run([sys.executable, "-m", "tests.e2e.attacker", json.dumps(spec)],
+                             cwd=str(REPO), capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"the attacker hung; its progress: {exc.stderr!r}") from None
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    # 1. Many-part messages of 512 MiB each: never read, P's peak memory flat.
+    for name in ("flood_plain", "flood_curve"):
+        assert seen[name]["queued_mib"] >= 512 and not seen[name]["reply"], (name, seen[name])
+    grown = peak_rss_mib(p.proc.pid) - peak_before  # type: ignore[union-attr]
+    assert grown < 256, f"P's peak memory grew by {grown:.0f} MiB under the flood"
+    # 2. Replays and escaped keys: refused by the API server, or (the fresh
+    #    leg replayed as is, which the API server cannot tell from the first
+    #    use) by the EngineCore: served as a plain request, nothing pinned.
+    for name in ("stale_p_leg", "stale_p_leg_escaped", "stale_p_leg_escaped_other_prompt"):
+        assert seen[name]["status"] == 401 and "window" in seen[name]["message"], (name, seen)
+    assert seen["fresh_p_leg_escaped_other_prompt"]["status"] == 403
+    replayed = seen["fresh_p_leg_replayed"]
+    assert replayed["status"] == 200 and "remote_block_ids" not in replayed["message"]
+    # 3. Unsigned D and keep legs, escaped or not: 401 (the escaped D leg was a 500).
+    for name in ("d_leg_unsigned_escaped", "keep_leg_unsigned", "keep_leg_unsigned_escaped"):
+        assert seen[name]["status"] == 401 and "not signed" in seen[name]["message"], name
+        assert "127.0.0.1" not in seen[name]["message"]  # no engine internals
+    # 5. A signed leg with a batch of prompts: 400 naming prompt, no lease.
+    assert seen["batch_p_leg"]["status"] == 400 and '"prompt"' in seen["batch_p_leg"]["message"]
+    p_after = p.metrics()
+    assert delta(p_before, p_after, UNAUTH) >= 3  # the handshakes and the replayed leg
+    assert delta(d_before, d.metrics(), EXTERNAL) == 0  # D loaded nothing
+    # The operator's own D leg still gets all of its KV.
+    status, want = ref.post("/v1/completions", body)
+    assert status == 200
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=auth.sign_leg(
+        KR, params, rid, body)), headers={"X-Request-Id": rid})
+    assert status == 200, got
+    assert_same_as_reference(ref, got, want)
+    # The next handoffs are served as before, and P holds no block.
+    handoff_through(proxy, ref, d,
+                    completion_body(model, token_prompt(170, seed=2706), max_tokens=8), 170)
+    deadline = time.monotonic() + 20
+    while True:
+        poke(p, model)
+        usage = p.metrics()["vllm:kv_cache_usage_perc"]
+        if usage == 0.0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert usage == 0.0

@@ -316,6 +316,43 @@ def test_vllm_demo_proxy_flow_drives_our_engines(ref: Engine, model: str,
         prompt = prompt + list(got.tokens) + token_prompt(40, 351)
 
 
+def test_tenants_with_the_same_opening_keep_apart(ref: Engine, model: str,
+                                                  pull_engines: dict[str, Any]) -> None:
+    """Issue 27 item 7: two tenants (cache_salt) open a conversation with the
+    same tokens, keyed by its opening (no session header). Neither tenant's
+    turn takes the other's kept turn: a first turn reads nothing back, a
+    second reads back exactly its own tenant's history, P never falls back
+    (reading the other tenant's turn would be a mismatch, and would free it),
+    and every answer equals the collocated engine."""
+    p, proxy = pull_engines["p"], pull_engines["proxy"]
+    tenants = ("tenant-a", "tenant-b")
+    opening = token_prompt(200, 360)
+    prompts = dict.fromkeys(tenants, opening)
+    prev: dict[str, tuple[list[int], list[int]]] = {}
+    fell = {r: _fallbacks(p, r) for r in ("prefix_mismatch", "scope_mismatch")}
+    for turn in (1, 2):
+        for tenant in tenants:
+            body = completion_body(model, prompts[tenant], max_tokens=130, ignore_eos=True,
+                                   cache_salt=tenant)
+            _, want = ref.post("/v1/completions", body)
+            before = p.metrics()
+            status, answer = proxy.post("/v1/completions", body)
+            after = p.metrics()
+            assert status == 200, answer
+            assert "kv_transfer_params" not in answer
+            got = output_of(answer)
+            assert_same_as_reference(ref, got, want)
+            read = delta(before, after, READBACK)
+            if turn == 1:
+                assert read == 0, f"{tenant}'s first turn read another tenant's history back"
+            else:
+                kept = _kept_tokens(*prev[tenant]) - delta(before, after, CACHE_HIT)
+                assert read == kept > 0, (tenant, read, kept)
+            prev[tenant] = (list(prompts[tenant]), list(got.tokens))
+            prompts[tenant] = [*prompts[tenant], *got.tokens, *token_prompt(40, 361)]
+    assert {r: _fallbacks(p, r) for r in fell} == fell
+
+
 def test_decode_killed_between_turns(ref: Engine, model: str,
                                      pull_engines: dict[str, Any]) -> None:
     """The D that kept the last turn dies: the next turn is still served, by

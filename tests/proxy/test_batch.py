@@ -305,7 +305,8 @@ async def test_multi_turn_is_off_for_batches(engines, proxy):
     assert (await client.post("/v1/completions", json=body, headers=headers)).status == 200
     for leg in p.legs() + d.legs():
         assert "conversation_id" not in leg.body
-        assert "pd_bidirectional" not in leg.body["kv_transfer_params"]
+        assert not leg.body["kv_transfer_params"].get("pd_bidirectional")
+    assert all(leg.body["kv_transfer_params"]["pd_bidirectional"] is False for leg in d.legs())
     # n = 1 on the same conversation still asks D to keep the turn.
     assert (await client.post("/v1/completions", json={"prompt": "a"}, headers=headers)).status \
         == 200

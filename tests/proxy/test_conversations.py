@@ -122,3 +122,39 @@ def test_kept_turn_is_decoded_as_the_next_p_leg_will_be():
     for bad in ({"remote_host": ""}, {"remote_request_id": ""}, {"remote_block_ids": [[]]},
                 {"remote_block_ids": [1]}):
         assert decode_kept_turn(dict(KEPT, **bad)) is None, bad
+
+
+def test_conversation_key_is_scoped_by_cache_salt():
+    """Issue 27 item 7: two tenants (cache_salt) never share a conversation,
+    whether the proxy keys it by its opening or the client names it."""
+    hdr = "X-Session-Id"
+    chat = {"model": "m", "messages": [{"role": "system", "content": "s"},
+                                       {"role": "user", "content": "the same opening"}]}
+    cases = (({}, {}, True), ({}, {}, False), ({hdr: "s1"}, {}, False),
+             ({}, {"conversation_id": "c1"}, True))
+    for headers, named, chat_api in cases:
+        base = dict(chat, **named) if chat_api else {"model": "m", "prompt": "x", **named}
+        keys = [conversation_key(headers, dict(base, **salt), chat_api, hdr)
+                for salt in ({}, {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"},
+                             {"cache_salt": "tenant-a"})]
+        assert None not in keys
+        assert len(set(keys[:3])) == 3 and keys[3] == keys[1], (headers, named, keys)
+    # No name, salted or not, spells another salt's key.
+    salted = conversation_key({hdr: "s1"}, {"cache_salt": "a"}, False, hdr)
+    assert salted is not None
+    for name in (salted, salted[2:], salted[3:], "s1"):
+        assert conversation_key({hdr: name}, {}, False, hdr) != salted
+        assert conversation_key({hdr: name}, {"cache_salt": "b"}, False, hdr) != salted
+    assert conversation_key({}, {"conversation_id": "s1", "cache_salt": "a"}, False, hdr) \
+        != salted  # a header and a conversation_id never meet either
+
+
+def test_the_turns_scope_goes_to_the_next_p_leg():
+    """D names whose turn it kept (remote_hash_scope); P checks it against its
+    own request's, so it is filed and handed over like the hashes."""
+    store = ConversationStore(10, 60, Clock())
+    assert store.put("x", "u", dict(KEPT, remote_hash_scope="0123456789abcdef"), wall_now=0)
+    turn, _ = store.take("x")
+    assert turn is not None and turn.params["remote_hash_scope"] == "0123456789abcdef"
+    assert readback_params(turn.params, {})["remote_hash_scope"] == "0123456789abcdef"
+    assert decode_kept_turn(dict(KEPT, remote_hash_scope="not-a-scope")) is None

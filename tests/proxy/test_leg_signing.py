@@ -36,10 +36,11 @@ async def test_pull_legs_are_signed_for_their_request_and_prompt(engines, proxy)
     assert len(p.legs()) == 2 and len(d.legs()) == 2
     for leg in p.legs() + d.legs():
         verified(leg)
-    # D's params are P's answer plus the signature, nothing else changed.
+    # D's params are P's answer plus the signature and pd_bidirectional (D
+    # keeps no turn without --multi-turn), nothing else changed.
     d_params = dict(d.legs()[0].body["kv_transfer_params"])
     d_params.pop(auth.LEG_FIELD)
-    assert d_params == p.kv_params
+    assert d_params == {**p.kv_params, "pd_bidirectional": False}
     # Each leg's signature binds it: P's does not verify for D's body and vice versa.
     with pytest.raises(auth.AuthError, match="another prompt"):
         auth.verify_leg(KR, d.legs()[0].body["kv_transfer_params"], body=d.legs()[1].body)

@@ -25,14 +25,17 @@ KEPT = {
 }
 
 
-def keeping_decode(kept: dict[str, Any] | None = None):
+def keeping_decode(kept: dict[str, Any] | None = None, unasked: bool = False):
     """A D override that answers like a bidirectional engine: its params in
-    the body, or in the stream's finishing chunk."""
+    the body, or in the stream's finishing chunk. ``unasked``: what it does
+    for a leg without ``pd_bidirectional`` (a real engine without a shared
+    secret keeps the turn then: its bidirectional_kv_xfer decides)."""
 
     async def handler(eng: FakeEngine, request: web.Request, body: dict[str, Any]):
         params = dict(kept or KEPT, remote_blocks_expiry_time=time.time() + 300,
                       remote_request_id=f"d-{len(eng.legs())}")
-        if not (body.get("kv_transfer_params") or {}).get("pd_bidirectional"):
+        asked = (body.get("kv_transfer_params") or {}).get("pd_bidirectional")
+        if not (unasked if asked is None else asked):
             params = None
         if not body.get("stream"):
             answer = completion(request.path, body, "ok")
@@ -94,16 +97,45 @@ async def test_kept_turn_goes_to_the_next_p_leg_and_the_same_d(engines, proxy):
     assert await _metric(client, "pd_proxy_multi_turn_decode_total", 'placement="same"') == 2
 
 
-async def test_without_multi_turn_nothing_changes(engines, proxy):
+async def test_without_multi_turn_d_keeps_nothing_and_clients_see_no_params(engines, proxy):
+    """Issue 27 item 8: a proxy without --multi-turn in front of engines with
+    bidirectional_kv_xfer. Every D leg says pd_bidirectional: false, so D
+    keeps no turn for 480 s that nobody reads; and whatever D answers in
+    kv_transfer_params (engine host, port, block ids) never reaches the
+    client, streamed or not."""
     p = await engines("prefill")
-    d = await engines("decode", override=keeping_decode())
+    d = await engines("decode", override=keeping_decode(unasked=True))
     client = await proxy([p], [d])
-    for _ in range(2):
-        resp = await client.post("/v1/completions", json={"model": "m", "prompt": "x"},
+    for stream in (False, True, False):
+        resp = await client.post("/v1/completions",
+                                 json={"model": "m", "prompt": "x", "stream": stream},
                                  headers={"X-Session-Id": "s"})
         assert resp.status == 200
-    assert all("pd_bidirectional" not in leg.body["kv_transfer_params"] for leg in d.legs())
+        assert b"kv_transfer_params" not in await resp.read()
+    assert all(leg.body["kv_transfer_params"]["pd_bidirectional"] is False for leg in d.legs())
     assert all("remote_block_hashes" not in leg.body["kv_transfer_params"] for leg in p.legs())
+
+
+async def test_d_params_never_reach_a_client(engines, proxy):
+    """A D that answers kv_transfer_params although not asked (an upstream
+    engine, a bug): the proxy takes them out of every answer, with or
+    without --multi-turn, streamed or not, in pull and push mode."""
+
+    async def always_keeps(eng: FakeEngine, request: web.Request, body: dict[str, Any]):
+        return await keeping_decode(unasked=True)(
+            eng, request, dict(body, kv_transfer_params={"pd_bidirectional": True}))
+
+    for multi_turn, mode in ((False, "pull"), (False, "push"), (True, "pull")):
+        p = await engines("prefill")
+        d = await engines("decode", override=always_keeps)
+        client = await proxy([p], [d], multi_turn=multi_turn, transfer_mode=mode)
+        for stream in (False, True):
+            # n=2: with --multi-turn too, this turn keeps nothing (no capture).
+            resp = await client.post("/v1/completions", json={
+                "model": "m", "prompt": "x", "stream": stream, "n": 2, "temperature": 1.0})
+            assert resp.status == 200
+            raw = await resp.read()
+            assert b"kv_transfer_params" not in raw and b"remote_host" not in raw, raw
 
 
 async def test_conversation_id_and_opening_keys(engines, proxy):
@@ -192,3 +224,26 @@ async def test_a_kept_turn_is_read_back_even_under_the_local_prefill_threshold(e
         "remote_block_hashes"]
     assert len(first_d.legs()) == 2
     assert await _metric(client, "pd_proxy_prefill_decisions_total", 'reason="multi_turn"') == 1
+
+
+async def test_tenants_with_the_same_opening_never_share_a_turn(engines, proxy):
+    """Issue 27 item 7: two tenants (cache_salt) open a conversation alike;
+    neither's next turn takes the other's kept turn (whose P would read it,
+    or tell D to free it), keyed by the opening or by the same session id."""
+    p = await engines("prefill")
+    d = await engines("decode", override=keeping_decode())
+    client = await proxy([p], [d], multi_turn=True)
+    for headers in ({}, {"X-Session-Id": "shared-name"}):
+        ids: dict[str, str] = {}
+        for tenant in ("tenant-a", "tenant-b", "tenant-a", "tenant-b"):
+            body = {"model": "m", "cache_salt": tenant,
+                    "messages": [{"role": "user", "content": "the same opening"}]}
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+            assert resp.status == 200
+            p_leg = p.legs()[-1].body["kv_transfer_params"]
+            assert p.legs()[-1].body["cache_salt"] == tenant
+            if tenant not in ids:
+                assert "remote_request_id" not in p_leg, (tenant, p_leg)  # a first turn
+            else:
+                assert p_leg["remote_request_id"] == ids[tenant]  # its own kept turn
+            ids[tenant] = f"d-{len(d.legs())}"  # (the fake D names its turns so)

@@ -48,7 +48,8 @@ async def test_pull_leg_shapes(engines, proxy):
     }
     (d_leg,) = d.legs()
     expected_d = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    expected_d["kv_transfer_params"] = p.kv_params  # P's answer, verbatim
+    # P's answer, verbatim, and that D keeps no turn (no --multi-turn).
+    expected_d["kv_transfer_params"] = {**p.kv_params, "pd_bidirectional": False}
     assert d_leg.body == expected_d
     rid = p_leg.headers["X-Request-Id"]
     assert uuid.UUID(hex=rid).hex == rid and uuid.UUID(rid).version == 4  # uuid4 hex

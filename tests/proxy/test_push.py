@@ -57,6 +57,7 @@ async def test_push_leg_shapes_and_probe(engines, proxy):
             "remote_request_id": pd_id,
             "pd_request_id": pd_id,
             "transfer_mode": "push",
+            "pd_bidirectional": False,  # D keeps no turn (no --multi-turn)
         },
     }
 

@@ -110,7 +110,7 @@ async def test_conditional_disaggregation(engines, proxy):
     resp = await client.post("/v1/completions", json={"prompt": "x" * 1000})  # ~250 tokens
     assert resp.status == 200
     assert len(p.legs()) == 1
-    assert d.legs()[1].body["kv_transfer_params"] == p.kv_params
+    assert d.legs()[1].body["kv_transfer_params"] == {**p.kv_params, "pd_bidirectional": False}
 
     resp = await client.post("/v1/completions", json={"prompt": list(range(150))})  # 150 ids
     assert len(p.legs()) == 2

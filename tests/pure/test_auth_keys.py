@@ -213,3 +213,25 @@ def test_prompt_digest_covers_chat_messages_and_token_prompts() -> None:
         {"prompt": [1, 2, 4]})
     assert auth.token_digest([1, 2, 3]) == auth.token_digest((1, 2, 3))
     assert auth.token_digest([1, 2, 3]) != auth.token_digest([1, 2, 3, 0])
+
+
+def test_a_secret_file_others_may_write_is_refused_and_a_readable_one_warned(
+        tmp_path, caplog) -> None:
+    """Issue 27 item 8: the secret file's permissions were never checked."""
+    import os
+
+    f = tmp_path / "secret"
+    f.write_text("s3cret-for-tests-0123456789")
+    os.chmod(f, 0o666)
+    with pytest.raises(auth.SecretError, match="writable by others"):
+        auth.Keyring.load(None, str(f))
+    for mode, who in ((0o644, "readable by others (mode 644)"),
+                      (0o660, "writable by its group (mode 660)")):
+        os.chmod(f, mode)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert auth.Keyring.load(None, str(f)) is not None
+        assert who in caplog.text
+    os.chmod(f, 0o600)
+    caplog.clear()
+    assert auth.Keyring.load(None, str(f)) is not None and caplog.text == ""

@@ -68,6 +68,54 @@ def test_wants_keep():
     assert not bidir.wants_keep(False, True) and not bidir.wants_keep(False, None)
 
 
+def test_with_signed_legs_only_a_leg_that_asks_keeps():
+    """Issue 27 item 8: with a shared secret only vllm-pd-proxy signs legs,
+    and it always says; silence is not a request to keep a turn for 480 s."""
+    assert bidir.wants_keep(True, True, legs_signed=True)
+    assert not bidir.wants_keep(True, None, legs_signed=True)
+    assert not bidir.wants_keep(True, False, legs_signed=True)
+    assert not bidir.wants_keep(False, True, legs_signed=True)
+
+
+def test_hashes_are_scoped_by_cache_salt_and_lora():
+    """Issue 27 item 7: as vLLM's own prefix-cache hashes, a tenant's
+    (cache_salt) or adapter's (LoRA) turn never matches another's prompt."""
+    tokens = list(range(100, 164))
+    plain = bidir.block_hashes(tokens, BS)
+    assert bidir.hash_scope(None) is None and bidir.scope_tag(None) is None
+    assert bidir.block_hashes(tokens, BS, scope=None) == plain  # unsalted: as before
+    scopes = [bidir.hash_scope("a"), bidir.hash_scope("b"), bidir.hash_scope(None, "lora1"),
+              bidir.hash_scope("a", "lora1")]
+    assert len(set(scopes)) == 4 and bidir.hash_scope("a") == scopes[0]
+    tags = [bidir.scope_tag(s) for s in scopes]
+    assert len(set(tags)) == 4 and all(len(t or "") == bidir.HASH_HEX for t in tags)
+    hashed = [bidir.block_hashes(tokens, BS, scope=s) for s in scopes]
+    for i, one in enumerate([plain, *hashed]):
+        for other in [plain, *hashed][i + 1:]:
+            assert not set(one) & set(other)
+    a = hashed[0]
+    assert bidir.matched_blocks([*tokens, 1], BS, a, scopes[0]) == 4
+    assert bidir.matched_blocks([*tokens, 1], BS, a) == 0  # an unsalted prompt
+    assert bidir.matched_blocks([*tokens, 1], BS, a, scopes[1]) == 0  # another tenant
+    assert bidir.matched_blocks([*tokens, 1], BS, plain, scopes[0]) == 0
+
+
+def test_kept_turns_relieve_pressure_oldest_first():
+    """Issue 27 item 8: when vLLM runs short, the oldest turns that give
+    blocks back end first, until enough come back; a turn being read (or
+    whose blocks a request shares) gives nothing back and stays."""
+    kept = KeptTurns(100)
+    for key, n in (("a", 5), ("b", 4), ("c", 3), ("d", 6)):
+        kept.add(key, n)
+    gives = {"a": 5, "b": 0, "c": 3, "d": 6}  # "b" is being read
+    ended = kept.relieve(6, lambda key: gives[key])
+    assert ended == ["a", "c"] and kept.oldest_first() == ["b", "d"]
+    assert kept.num_blocks == 10
+    assert kept.relieve(0, lambda key: 99) == []  # nothing needed: nothing ends
+    assert kept.relieve(100, lambda key: gives[key]) == ["d"]
+    assert kept.oldest_first() == ["b"]
+
+
 def test_kept_turns_budget_evicts_oldest_unused_first():
     kept = KeptTurns(10)
     evicted: list[str] = []

@@ -77,3 +77,31 @@ def test_load_state_transitions():
     assert Rec().end() is True  # ended before allocation: nothing in flight
     with pytest.raises(AssertionError):
         cached.allocate(loading=True)  # allocated once only
+
+
+class WallClock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("raw", [D_LEG, {"do_remote_decode": True}, {"pd_bidirectional": True}])
+def test_the_enginecore_refuses_a_replayed_or_stale_signature(raw):
+    """Issue 27 item 2: whatever reached the EngineCore past (or around) the
+    API server's check, a signature acts once, and only inside the window."""
+    clock = WallClock()
+    frame_auth = auth.FrameAuth(RING, window_s=30.0, clock=clock)
+    signed = auth.sign_leg(RING, raw, "req-1", {"prompt": "x"}, now=clock.now)
+    assert not decode_leg(signed, frame_auth).refused
+    again = decode_leg(dict(signed), frame_auth)  # the same leg, e.g. with another prompt
+    assert again.refused and again.unauthenticated and "already used" in again.problem
+    clock.now += 31
+    late = decode_leg(auth.sign_leg(RING, raw, "req-2", {"prompt": "x"}, now=clock.now - 40),
+                      frame_auth)
+    assert late.refused and late.unauthenticated and "window" in late.problem
+    # A fresh signature is served; the cache forgets what the window covers.
+    assert not decode_leg(auth.sign_leg(RING, raw, "req-3", {"prompt": "x"}, now=clock.now),
+                          frame_auth).refused
+    assert frame_auth.num_nonces == 1

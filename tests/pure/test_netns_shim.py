@@ -26,3 +26,23 @@ def test_a_missing_shim_source_is_named(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setattr(netns, "unavailable", lambda: None)
     reason = netns.engines_unavailable()
     assert reason is not None and str(missing) in reason and "not shipped" in reason
+
+
+def test_the_shim_is_built_only_in_a_private_directory(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 27 item 8: the shim engines preload was built at a predictable
+    temp path and reused whoever had put a file there."""
+    import os
+
+    monkeypatch.setattr(netns.tempfile, "gettempdir", lambda: str(tmp_path))
+    mine = tmp_path / f"vllm-pd-ext-{os.getuid()}"
+    assert netns.shim_dir() == mine and (mine.stat().st_mode & 0o777) == 0o700
+    os.chmod(mine, 0o777)  # someone else may plant a library
+    with pytest.raises(RuntimeError, match="not a private directory"):
+        netns.shim_dir()
+    os.rmdir(mine)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    mine.symlink_to(elsewhere)
+    with pytest.raises(RuntimeError, match="a link"):
+        netns.shim_dir()

@@ -41,6 +41,8 @@ PURE = [
     "tools.sizing.formula",
     "tools.sizing.cli",
     "leg_auth",
+    "drain",
+    "drain_auth",
     "testing.soak_plan",
     "testing.netns",
     "testing.gpu_check",

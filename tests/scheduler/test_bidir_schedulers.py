@@ -15,6 +15,7 @@ from pdsched import BLOCK_SIZE, create_request
 from pdunit_utils import free_port, wait_for
 from test_scheduler_lifecycle import (
     HOST,
+    SECRET,
     admit_remote,
     assert_empty_after_step,
     fake_p,  # noqa: F401 - fixture (here: D's side channel and lease table)
@@ -24,6 +25,7 @@ from test_scheduler_lifecycle import (
     pd,
     remote_params,
     run_until_finished,
+    secret_file,  # noqa: F401 - fixture
     settle,
     step,
 )
@@ -31,17 +33,22 @@ from vllm.v1.request import RequestStatus
 
 from vllm_pd_ext.leases.table import LeaseState
 from vllm_pd_ext.scheduler import bidir
+from vllm_pd_ext.wire import auth
 
 BIDIR = {"bidirectional_kv_xfer": True, "kv_recompute_threshold": 1}
 
 
-def finish_kept_turn(sched, num_tokens=100, max_tokens=30, keep=True, prompt=None):
-    """A D request (remote prefill) decoded to the end; its final params."""
+def finish_kept_turn(sched, num_tokens=100, max_tokens=30, keep=True, prompt=None,
+                     cache_salt=None, sign=None):
+    """A D request (remote prefill) decoded to the end; its final params.
+    ``sign``: a keyring to sign the leg with (an engine with a secret)."""
     params = remote_params(free_port(), -(-num_tokens // BLOCK_SIZE), num_tokens=num_tokens)
     if keep is not None:
         params["pd_bidirectional"] = keep
+    if sign is not None:
+        params = auth.sign_leg(sign, params, "rid", {"prompt": "x"})
     req = create_request(num_tokens, kv_transfer_params=params, max_tokens=max_tokens,
-                         prompt=prompt)
+                         prompt=prompt, cache_salt=cache_salt)
     admit_remote(sched, req)
     step(sched, finished_recving={req.request_id})
     finals = run_until_finished(sched, req, max_steps=max_tokens + 5)
@@ -265,3 +272,161 @@ def test_d_keeps_for_a_proxy_that_does_not_ask(make_scheduler):  # noqa: F811
     sched = make_scheduler(**BIDIR)
     req, kept = finish_kept_turn(sched, keep=None)
     assert kept is not None and kept["remote_request_id"] == req.request_id
+
+
+def test_d_with_a_secret_keeps_a_turn_only_when_the_signed_leg_asks(
+        make_scheduler, secret_file):  # noqa: F811
+    """Issue 27 item 8: with a shared secret every leg is vllm-pd-proxy's,
+    which always says pd_bidirectional; a signed leg that does not say is no
+    request to keep the turn (without a secret, vLLM's demo proxy's legs
+    still are: test_d_keeps_for_a_proxy_that_does_not_ask)."""
+    kr = auth.Keyring.parse(SECRET, "test")
+    sched = make_scheduler(auth_secret_file=secret_file, **BIDIR)
+    for keep, kept_it in ((None, False), (False, False), (True, True)):
+        _, kept = finish_kept_turn(sched, keep=keep, sign=kr)
+        assert (kept is not None and "remote_block_hashes" in kept) is kept_it, keep
+    assert len(pd(sched).keeper.kept) == 1
+
+
+# ====================================================================== tenants
+SALT_A, SALT_B = "tenant-a", "tenant-b"
+
+
+def test_d_scopes_a_kept_turns_hashes_by_its_cache_salt(make_scheduler):  # noqa: F811
+    """Issue 27 item 7: the same tokens kept for two tenants hash apart, as
+    vLLM's own prefix-cache hashes do, and D's answer names the scope."""
+    sched = make_scheduler(**BIDIR)
+    prompt = [10 + i for i in range(100)]
+    plain, kept_plain = finish_kept_turn(sched, prompt=prompt)
+    salted, kept_salted = finish_kept_turn(sched, prompt=prompt, cache_salt=SALT_A)
+    tokens = list(salted.all_token_ids)
+    assert tokens == list(plain.all_token_ids)  # the same history, token for token
+    n = len(kept_salted["remote_block_hashes"])
+    scope = bidir.hash_scope(SALT_A)
+    assert "remote_hash_scope" not in kept_plain
+    assert kept_plain["remote_block_hashes"] == bidir.block_hashes(tokens, BLOCK_SIZE, n)
+    assert kept_salted["remote_hash_scope"] == bidir.scope_tag(scope)
+    assert kept_salted["remote_block_hashes"] == bidir.block_hashes(tokens, BLOCK_SIZE, n, scope)
+    assert not set(kept_salted["remote_block_hashes"]) & set(kept_plain["remote_block_hashes"])
+
+
+def salted_kept_params(port, history, salt, **over):
+    """D's answer for a turn of ``history`` kept for a request salted ``salt``."""
+    scope = bidir.hash_scope(salt)
+    n = len(history) // BLOCK_SIZE
+    params = kept_params(port, history, remote_block_hashes=bidir.block_hashes(
+        history, BLOCK_SIZE, n, scope), **over)
+    if scope is not None:
+        params["remote_hash_scope"] = bidir.scope_tag(scope)
+    return params
+
+
+@pytest.mark.parametrize(("kept_salt", "p_salt"), [
+    (SALT_B, SALT_A), (None, SALT_A), (SALT_B, None)])
+def test_p_neither_reads_nor_frees_another_tenants_turn(make_scheduler, fake_p,  # noqa: F811
+                                                        kept_salt, p_salt):
+    """Issue 27 item 7: a P leg naming a turn kept for another cache_salt
+    (a proxy that mixed up conversations) reads nothing of it, whatever the
+    tokens, and leaves it to its owner: D's lease is not released. A
+    mismatch within one tenant still releases it (the control)."""
+    port, d_leases = fake_p
+    with d_leases.lock:
+        d_leases.table.grant("d-req")
+        d_leases.table.grant("d-own")
+    sched = make_scheduler(kv_role="kv_both", **BIDIR)
+    fell = count_fallbacks(sched)
+    history = [10 + i for i in range(100)]
+    prompt = history + [500 + i for i in range(40)]
+    req = create_request(len(prompt), prompt=prompt, max_tokens=1, cache_salt=p_salt,
+                         kv_transfer_params=salted_kept_params(port, history, kept_salt))
+    sched.add_request(req)
+    out, core = step(sched)
+    assert out.kv_connector_metadata.reqs_to_recv == []
+    assert out.num_scheduled_tokens == {req.request_id: len(prompt)}  # P prefills it all
+    settle(sched, core)
+    assert fell == {"scope_mismatch": 1}
+    # The control: P's own tenant's turn, with a rewritten history, is released
+    # through the same lane to D; once that arrived, nothing else is on its way.
+    own = create_request(len(prompt), prompt=[9, *prompt[1:]], max_tokens=1, cache_salt=p_salt,
+                         kv_transfer_params=salted_kept_params(port, history, p_salt,
+                                                               remote_request_id="d-own"))
+    sched.add_request(own)
+    settle(sched, step(sched)[1])
+    assert fell == {"scope_mismatch": 1, "prefix_mismatch": 1}
+    assert wait_for(lambda: d_leases.table.get("d-own").state is LeaseState.RELEASED)
+    assert d_leases.table.get("d-req").state is LeaseState.HELD  # the owner's, still
+    run_until_finished(sched, req)
+    run_until_finished(sched, own)
+
+
+def test_p_reads_back_a_turn_of_its_own_salt(make_scheduler, fake_p):  # noqa: F811
+    port, d_leases = fake_p
+    with d_leases.lock:
+        d_leases.table.grant("d-req")
+    sched = make_scheduler(kv_role="kv_both", **BIDIR)
+    fell = count_fallbacks(sched)
+    history = [10 + i for i in range(100)]
+    prompt = history + [500 + i for i in range(40)]
+    req = create_request(len(prompt), prompt=prompt, max_tokens=1, cache_salt=SALT_A,
+                         kv_transfer_params=salted_kept_params(port, history, SALT_A))
+    (spec,) = admit_remote(sched, req).reqs_to_recv
+    assert spec.readback and spec.remote_block_ids == [40, 41, 42] and not fell
+    step(sched, finished_recving={req.request_id})
+    run_until_finished(sched, req)
+    assert pd(sched).readback.num_tokens == 96
+
+
+# ====================================================================== pressure
+def keep_three_big_turns(sched):
+    """57 of the pool's 63 blocks kept in 3 turns of 19 blocks; 6 stay free."""
+    turns = [finish_kept_turn(sched, num_tokens=600, max_tokens=30)[0] for _ in range(3)]
+    assert pd(sched).keeper.kept.num_blocks == 57 and num_free(sched) == 6
+    return turns
+
+
+def count_stat(sched, key):
+    """The increments of one PDStats counter from now (the steps take the stats)."""
+    seen: list[int] = []
+    stats = pd(sched)._stats
+    inc = stats.inc
+
+    def spy(name, n=1):
+        if name == key:
+            seen.append(n)
+        inc(name, n)
+
+    stats.inc = spy
+    return seen
+
+
+def test_a_running_request_takes_kept_blocks_instead_of_being_preempted(
+        make_scheduler):  # noqa: F811
+    """Issue 27 item 8: a decoding request that needs a block while unread
+    kept turns hold the rest ends the oldest kept turn (vLLM asks the
+    connector before it preempts) instead of being preempted."""
+    sched = make_scheduler(num_blocks=64, decoder_kv_blocks_budget=0.9, **BIDIR)
+    oldest, *rest = keep_three_big_turns(sched)
+    evicted = count_stat(sched, "num_turns_evicted")
+    req = create_request(150, max_tokens=100)  # 5 blocks now, 8 by its end
+    sched.add_request(req)
+    run_until_finished(sched, req, max_steps=110)
+    assert req.num_preemptions == 0
+    assert pd(sched).keeper.kept.oldest_first() == [r.request_id for r in rest]
+    assert pd(sched).leases.table.get(oldest.request_id) is None  # ended and swept
+    assert sum(evicted) == 1
+
+
+def test_a_waiting_request_takes_kept_blocks_instead_of_queueing(make_scheduler):  # noqa: F811
+    """Issue 27 item 8: a new request whose blocks do not fit while unread
+    kept turns hold them is not queued until they expire (480 s): the oldest
+    unread turns end, enough for it; a turn a P is reading is never ended."""
+    sched = make_scheduler(num_blocks=64, decoder_kv_blocks_budget=0.9, **BIDIR)
+    oldest, second, third = keep_three_big_turns(sched)
+    with pd(sched).leases.lock:  # a P heartbeats the oldest: it is being read
+        pd(sched).leases.table.renew(oldest.request_id)
+    req = create_request(400, max_tokens=5)  # 13 blocks: 6 are free
+    sched.add_request(req)
+    run_until_finished(sched, req, max_steps=10)
+    assert req.num_preemptions == 0
+    assert pd(sched).keeper.kept.oldest_first() == [oldest.request_id, third.request_id]
+    assert pd(sched).leases.table.get(second.request_id) is None

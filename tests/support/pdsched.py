@@ -169,7 +169,8 @@ _none_hash_ready = False
 
 def create_request(num_tokens: int, *, kv_transfer_params: dict[str, Any] | None = None,
                    max_tokens: int = 16, prompt: list[int] | None = None,
-                   request_id: str | None = None, block_size: int = BLOCK_SIZE) -> Request:
+                   request_id: str | None = None, block_size: int = BLOCK_SIZE,
+                   cache_salt: str | None = None) -> Request:
     global _none_hash_ready
     if not _none_hash_ready:
         init_none_hash(sha256)
@@ -179,7 +180,7 @@ def create_request(num_tokens: int, *, kv_transfer_params: dict[str, Any] | None
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     tokens = prompt if prompt is not None else [10 + (i * n) % 3000 for i in range(num_tokens)]
     req = Request(request_id=request_id or f"req-{n}", prompt_token_ids=list(tokens),
-                  sampling_params=params, pooling_params=None,
+                  sampling_params=params, pooling_params=None, cache_salt=cache_salt,
                   block_hasher=get_request_block_hasher(block_size, sha256))
     req.kv_transfer_params = kv_transfer_params
     return req

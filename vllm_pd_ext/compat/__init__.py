@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -72,6 +73,7 @@ __all__ = [
     "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
     "RequestStatus",
+    "cache_scope",
     "check_block_pool",
     "compat_info",
     "create_metric_per_engine",
@@ -170,6 +172,31 @@ def is_rejection_notice(request: Any) -> bool:
     return bool(getattr(request, "abort_immediately", False))
 
 
+_CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
+
+
+def sibling_group(request_id: str) -> str:
+    """The client request an engine request belongs to: vLLM names the
+    ``n``/``best_of`` children of one request ``f"{index}_{parent_id}"``
+    (``ParentRequest.get_child_info``), and the parent id carries 8 random
+    characters (``InputProcessor.assign_request_id``), so no other request
+    can claim a group it does not belong to. Ids of the OpenAI server's own
+    requests (``cmpl-``, ``chatcmpl-``, ...) never start with a digit."""
+    m = _CHILD_ID.fullmatch(request_id)
+    return m.group(1) if m else request_id
+
+
+def cache_scope(request: Any) -> tuple[str | None, str | None]:
+    """What vLLM's block hashes add to a request's tokens
+    (``kv_cache_utils.generate_block_hash_extra_keys``) that multi-turn's
+    read-back hashes add too: its ``cache_salt`` and its LoRA adapter's name
+    (not its path, which may differ between P's and D's hosts)."""
+    lora = getattr(request, "lora_request", None)
+    salt = getattr(request, "cache_salt", None)
+    return (salt if isinstance(salt, str) and salt else None,
+            str(lora.lora_name) if lora is not None else None)
+
+
 def kv_ready_token_ids(request: Any) -> list[int]:
     """The leading tokens of a finished request whose KV is written: every
     token fed to the model (not the last sampled one), less any still in
@@ -188,7 +215,7 @@ def new_block_ids(blocks: KVCacheBlocks) -> list[int]:
 # -------------------------------------------------------------- block pool
 #: What ``leases.lender.BlockLender`` uses of vLLM's ``BlockPool`` (an
 #: internal: the connector pins blocks itself, see docs/architecture.md).
-BLOCK_POOL_API = ("blocks", "touch", "free_blocks")
+BLOCK_POOL_API = ("blocks", "touch", "free_blocks", "get_num_free_blocks")
 
 
 def check_block_pool(pool: Any) -> Any:

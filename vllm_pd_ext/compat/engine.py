@@ -119,6 +119,12 @@ def ensure_drain_window(vllm_config: Any, drain_timeout_s: float) -> int:
     work, and the connector counts as work while a granted lease still pins
     blocks (``on_engine_shutdown``, ``PDScheduler.has_pending_push_work``).
     A window the user set wins.
+
+    Two callers: the EngineCore (the connector, at start: ``drain_timeout``,
+    which puts vLLM's shutdown in drain mode) and the API server at the
+    drain's hand-over (``drain.py``: what is left of ``drain_timeout``, so
+    the whole drain stays within it; that value is how long the API server
+    waits for its EngineCore before killing it).
     """
     current = int(getattr(vllm_config, "shutdown_timeout", 0) or 0)
     if current == 0 and drain_timeout_s > 0:

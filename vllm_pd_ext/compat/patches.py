@@ -5,7 +5,8 @@ for, the processes it belongs to and why it exists. Lifecycle:
 
 1. ``apply(process, ctx)`` is the one explicit call per process (the
    EngineCore: the connector's scheduler half; a worker: its
-   ``register_kv_caches``; the API server: our middlewares). For each patch
+   ``register_kv_caches``; the API server: our middlewares; ``vllm serve``'s
+   own process: the plugin hook, ``register``). For each patch
    of that process it first runs ``probe()`` (is the target where the patch
    expects it?), then ``apply`` if the patch changes something, and logs one
    line: applied, checked (an internal we only rely on), or skipped with the
@@ -30,7 +31,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from vllm_pd_ext import QUIET_SPIN_ENV
-from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind
+from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind, serve_parent
 from vllm_pd_ext.compat import engine as engine_patches
 from vllm_pd_ext.compat import serving as serving_patches
 from vllm_pd_ext.compat.affinity import bind_engine_core
@@ -46,7 +47,9 @@ class Process(enum.Enum):
     #: Any vLLM process, from the plugin hook (``vllm_pd_ext.register``),
     #: with or without our connector.
     PLUGIN = "plugin hook"
-
+    #: ``vllm serve``'s own process (the parent of several API servers),
+    #: from the plugin hook.
+    SERVE_PARENT = "vllm serve parent"
 
 
 class Skip(Exception):
@@ -183,6 +186,14 @@ def _apply_drain_window(ctx: Context) -> str:
             "served first; drain_timeout / --shutdown-timeout)")
 
 
+def _apply_serve_parent(ctx: Context) -> str:
+    if not serve_parent.is_serve_parent():
+        raise Skip("not vllm serve's own process")
+    serve_parent.serve_with_drain_window()
+    return ("with several API servers, SIGTERM drains them and the engines for up to "
+            "drain_timeout (--shutdown-timeout, when 0)")
+
+
 def _apply_affinity(ctx: Context) -> str:
     if not ctx.cfg.bind_engine_core:
         raise Skip("bind_engine_core is false")
@@ -239,18 +250,39 @@ PATCHES: tuple[Patch, ...] = (
         _has_field("vllm.config.VllmConfig", "shutdown_timeout"),
         _apply_drain_window),
     Patch(
+        "serve_parent_drain_window",
+        "vllm.entrypoints.cli.serve.run_multi_api_server (args.shutdown_timeout set when 0)",
+        _V, (Process.SERVE_PARENT,),
+        "with --api-server-count > 1 the parent's SIGTERM killed the API servers and the "
+        "engines at once (its shutdown_timeout 0), before any drain",
+        _all(_needs("vllm.entrypoints.cli.serve.run_multi_api_server", "from_cli_args(args)",
+                    "vllm_config.shutdown_timeout", "api_server_manager.shutdown(timeout="),
+             _needs("vllm.entrypoints.cli.serve.ServeSubcommand.cmd",
+                    "run_multi_api_server(args)")),
+        _apply_serve_parent),
+    Patch(
+        "api_server_count", "ParallelConfig._api_process_count, _api_process_rank",
+        _V, (Process.API_SERVER,),
+        "POST /pd/drain on one API server of several drains them all through vLLM's parent "
+        "(compat.serve_parent)",
+        _all(_has_field("vllm.config.ParallelConfig", "_api_process_count"),
+             _has_field("vllm.config.ParallelConfig", "_api_process_rank"))),
+    Patch(
         "engine_core_affinity", "VLLM_CPU_OMP_THREADS_BIND (vLLM CPU's worker cores)",
         _V, (Process.ENGINE_CORE,),
         "the EngineCore floats over every core and took the other engine's (issue 10)",
         _needs("vllm.envs", "VLLM_CPU_OMP_THREADS_BIND"),
         _apply_affinity),
     Patch(
-        "block_pool", "vllm.v1.core.block_pool.BlockPool (blocks, touch, free_blocks)",
+        "block_pool",
+        "vllm.v1.core.block_pool.BlockPool (blocks, touch, free_blocks, get_num_free_blocks)",
         _V, (Process.ENGINE_CORE,),
         "P pins a finished prefill's blocks itself instead of vLLM's delayed free, which "
-        "keeps an idle P stepping (leases.lender)",
+        "keeps an idle P stepping (leases.lender); D's kept turns give blocks back when "
+        "vLLM runs short (scheduler.d_keep)",
         _all(_needs("vllm.v1.core.block_pool.BlockPool.__init__", "self.blocks"),
-             _needs("vllm.v1.core.block_pool.BlockPool", "def touch", "def free_blocks"))),
+             _needs("vllm.v1.core.block_pool.BlockPool", "def touch", "def free_blocks",
+                    "def get_num_free_blocks"))),
     Patch(
         "connector_registry", "KVConnectorFactory.register_connector",
         _V, (Process.API_SERVER, Process.ENGINE_CORE, Process.WORKER),

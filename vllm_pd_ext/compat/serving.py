@@ -90,3 +90,21 @@ def _tap_kv_params(gen_fn: Any) -> Any:
             yield chunk
 
     return wrapper
+
+
+def kv_extra_config_of(app: Any) -> dict[str, Any] | None:
+    """``kv_connector_extra_config`` as vLLM parsed it for this API server
+    (``app.state.vllm_config``, set by ``init_app_state``; else the parsed
+    ``args``): whatever form the command line used (``--kv-transfer-config``,
+    ``--kv_transfer_config``, the dotted keys, ``--config file.yaml``).
+    None when this app carries neither (not vLLM's API server, or no
+    ``--kv-transfer-config``)."""
+    state = getattr(app, "state", None)
+    config = getattr(getattr(state, "vllm_config", None), "kv_transfer_config", None)
+    if config is None:
+        config = getattr(getattr(state, "args", None), "kv_transfer_config", None)
+    if config is None:
+        return None
+    extra = (config.get("kv_connector_extra_config") if isinstance(config, dict)
+             else getattr(config, "kv_connector_extra_config", None))
+    return extra if isinstance(extra, dict) else {}

@@ -21,6 +21,9 @@ Lifecycle of one lent set (key: the lease id the borrower knows):
    expired lease, our reference is dropped (``free_blocks``, tail first, as
    vLLM frees a request's blocks, so the prefix stays cached longest).
 
+``num_exclusive`` and ``num_free_blocks`` let D's kept turns give blocks
+back when vLLM runs short (``scheduler.d_keep.TurnKeeper.relieve``).
+
 Why not vLLM's delayed free (``request_finished -> (True, ...)``): vLLM keeps
 stepping an engine that holds such requests and its worker busy-polls for a
 second after each step; an idle P holding one lease burned 119% of a core
@@ -45,6 +48,8 @@ class BlockPool(Protocol):
     def touch(self, blocks: Sequence[Any]) -> None: ...
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None: ...
+
+    def get_num_free_blocks(self) -> int: ...
 
 
 class BlockLender:
@@ -90,6 +95,17 @@ class BlockLender:
         """End a lease no borrower has touched yet; its blocks go at the next
         sweep. False if it is in use (or gone)."""
         return self.leases.evict(key)
+
+    def num_exclusive(self, key: str) -> int:
+        """How many of the blocks lent under ``key`` only this lease holds
+        (vLLM's ``ref_cnt`` is 1: no request uses them): what ending it gives
+        back to the free pool. 0 for an unknown key."""
+        return sum(1 for block in self._lent.get(key, ()) if block.ref_cnt == 1)
+
+    def num_free_blocks(self) -> int:
+        """vLLM's free blocks (cached ones included: vLLM evicts those itself)."""
+        assert self._pool is not None  # nothing asks before bind
+        return self._pool.get_num_free_blocks()
 
     def has_pending_frees(self) -> bool:
         """A released lease waits for the next sweep (O(1))."""

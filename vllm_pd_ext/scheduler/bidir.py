@@ -13,6 +13,13 @@ or none, and P prefills the rest itself. A count from the wire is never
 trusted: a block is reused only when its hash, and so every token before
 it, equals P's.
 
+The hashes are scoped (``hash_scope``) as vLLM scopes its own prefix-cache
+hashes: by the request's ``cache_salt`` (a tenant's secret) and its LoRA
+adapter. A turn kept for one scope never matches a prompt of another, and
+D's answer names its scope (``scope_tag``) so that P can tell another
+tenant's turn (``Fallback.FOREIGN``: neither read nor released) from its own
+diverged history (``Fallback.MISMATCH``: released).
+
 ``plan_readback`` turns the match, P's own prefix-cache hit and the
 threshold (``kv_recompute_threshold``) into what P loads, or the reason it
 loads nothing (a ``Fallback``; each one is counted in P's metrics).
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import json
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +47,10 @@ EXPIRY_MARGIN_S: Final = 2.0
 class Fallback(enum.Enum):
     """Why P reads nothing back from D for a turn; the value is the metric label."""
 
+    #: The kept turn was made under another ``cache_salt`` or LoRA adapter
+    #: than this request's (``scope_tag``): another tenant's. P neither reads
+    #: it nor releases it (not this request's to end).
+    FOREIGN = "scope_mismatch"
     #: This engine runs without ``bidirectional_kv_xfer``.
     DISABLED = "disabled"
     #: The params name no block hashes (e.g. an upstream D): nothing can be
@@ -61,14 +73,35 @@ class Fallback(enum.Enum):
 FALLBACK_LABELS: Final = tuple(f.value for f in Fallback)
 
 
+def hash_scope(cache_salt: str | None, lora_name: str | None = None) -> bytes | None:
+    """What besides its tokens makes a request's KV its own, as vLLM's block
+    hashes see it (``kv_cache_utils.generate_block_hash_extra_keys``): its
+    ``cache_salt`` and its LoRA adapter. None when it has neither."""
+    if not cache_salt and not lora_name:
+        return None
+    scope = json.dumps([cache_salt or "", lora_name or ""], separators=(",", ":"))
+    return hashlib.sha256(b"pdx-scope-v1:" + scope.encode()).digest()
+
+
+def scope_tag(scope: bytes | None) -> str | None:
+    """The scope as D's answer names it (``remote_hash_scope``): 16 hex
+    digits, None for no scope. It says whose turn it is, nothing more: the
+    hashes themselves are seeded with the whole scope."""
+    return None if scope is None else scope[:HASH_HEX // 2].hex()
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int,
-                 num_blocks: int | None = None) -> list[str]:
+                 num_blocks: int | None = None, scope: bytes | None = None) -> list[str]:
     """Chained hashes of the first ``num_blocks`` full blocks of ``token_ids``
-    (all full blocks when None): hash *i* covers tokens ``0 .. (i+1)*bs``."""
+    (all full blocks when None): hash *i* covers tokens ``0 .. (i+1)*bs``,
+    and the request's ``scope`` (``hash_scope``; None: unscoped)."""
     full = len(token_ids) // block_size
     n = full if num_blocks is None else min(num_blocks, full)
     out: list[str] = []
-    prev = hashlib.sha256(b"pdx-blocks-v1:%d" % block_size).digest()
+    seed = b"pdx-blocks-v1:%d" % block_size
+    if scope is not None:
+        seed += b":" + scope
+    prev = hashlib.sha256(seed).digest()
     fmt = f"<{block_size}q"
     for i in range(n):
         chunk = token_ids[i * block_size:(i + 1) * block_size]
@@ -77,9 +110,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     return out
 
 
-def matched_blocks(token_ids: Sequence[int], block_size: int, hashes: Sequence[str]) -> int:
-    """How many leading blocks of ``token_ids`` hash to ``hashes`` (in order)."""
-    mine = block_hashes(token_ids, block_size, len(hashes))
+def matched_blocks(token_ids: Sequence[int], block_size: int, hashes: Sequence[str],
+                   scope: bytes | None = None) -> int:
+    """How many leading blocks of ``token_ids`` (under ``scope``) hash to
+    ``hashes`` (in order)."""
+    mine = block_hashes(token_ids, block_size, len(hashes), scope)
     n = 0
     for a, b in zip(mine, hashes, strict=False):
         if a != b:
@@ -124,10 +159,17 @@ def plan_readback(*, num_prompt_tokens: int, num_local_tokens: int, block_size: 
                         num_blocks=usable - local_blocks)
 
 
-def wants_keep(engine_enabled: bool, leg_asks: bool | None) -> bool:
+def wants_keep(engine_enabled: bool, leg_asks: bool | None, legs_signed: bool = False) -> bool:
     """Whether D keeps a finished turn's blocks: the engine allows it and the
-    D leg did not decline (an upstream proxy does not say: the engine decides)."""
-    return engine_enabled and leg_asks is not False
+    D leg asks for it (``pd_bidirectional``). A leg that does not say (vLLM's
+    multi-turn demo proxy) leaves it to the engine, but only on an engine
+    without a shared secret: with one (``legs_signed``), every leg comes from
+    vllm-pd-proxy, which always says, so silence is no request."""
+    if not engine_enabled:
+        return False
+    if leg_asks is None:
+        return not legs_signed
+    return leg_asks
 
 
 class KeptTurns:
@@ -135,7 +177,8 @@ class KeptTurns:
 
     ``admit`` makes room for a new turn by evicting the oldest kept turns
     that ``evict`` agrees to end (no P reads or heartbeats them yet); a turn
-    that still does not fit is not kept. The owner calls ``discard`` when a
+    that still does not fit is not kept. ``relieve`` ends the oldest ones
+    when vLLM itself runs short of blocks. The owner calls ``discard`` when a
     kept turn's lease ends for any reason (read, expired, evicted).
     """
 
@@ -162,6 +205,24 @@ class KeptTurns:
             if evict(key):
                 self.discard(key)
         return self.num_blocks + num_blocks <= self.budget_blocks
+
+    def relieve(self, num_blocks: int, give_back: Callable[[str], int]) -> list[str]:
+        """Memory pressure: end the oldest kept turns until ``num_blocks``
+        blocks are on their way back to vLLM. ``give_back(key)`` ends one
+        turn if it can and returns how many blocks that frees (0: it did not
+        end it: a P reads it, or no block of it would come free). Returns the
+        ended turns, oldest first."""
+        ended: list[str] = []
+        freed = 0
+        for key in list(self._kept):
+            if freed >= num_blocks:
+                break
+            n = give_back(key)
+            if n > 0:
+                self.discard(key)
+                ended.append(key)
+                freed += n
+        return ended
 
     def add(self, key: str, num_blocks: int) -> None:
         self.discard(key)

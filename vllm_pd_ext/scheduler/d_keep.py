@@ -1,28 +1,37 @@
 """D keeps a finished turn's KV for the conversation's next turn (multi-turn).
 
 Runs on D's scheduler thread, at ``request_finished`` of a turn whose leg
-asks for it (``pd_bidirectional``, or the engine's ``bidirectional_kv_xfer``
-when the leg does not say). Lifecycle of one kept turn:
+asks for it (``pd_bidirectional``; a leg that does not say leaves it to the
+engine's ``bidirectional_kv_xfer`` on an engine without a shared secret,
+``bidir.wants_keep``). Lifecycle of one kept turn:
 
 1. ``keep``: the turn's full blocks (prompt and answer, every token whose KV
    is written) are lent through the ``BlockLender`` under a lease keyed by
    D's request id, first expiring after ``decoder_kv_blocks_ttl`` and then
    renewed by the reading P's heartbeats like any lease. The answer names
-   the blocks and their chained hashes (``bidir.block_hashes``), so the next
-   turn's P can check which prefix matches its prompt.
+   the blocks and their chained hashes (``bidir.block_hashes``, scoped by the
+   request's ``cache_salt`` and LoRA adapter, named by ``remote_hash_scope``),
+   so the next turn's P can check which prefix matches its prompt.
 2. Kept turns are bounded by ``decoder_kv_blocks_budget`` (``KeptTurns``):
    to admit a turn the oldest unread one is evicted; a turn being read is
    never evicted.
-3. ``forget`` (each sweep): turns whose blocks the lender freed leave the
+3. ``relieve`` (vLLM runs short of blocks: a running request got none, or
+   a waiting one's do not fit): the oldest unread turns end until enough of
+   their blocks come back, before vLLM preempts or queues work.
+4. ``forget`` (each sweep): turns whose blocks the lender freed leave the
    budget; an expired one is a conversation that did not come back (normal,
    counted apart from P's lease expiries).
-4. ``evict_unread`` (shutdown): turns nobody reads yet would hold a drain for
-   their whole TTL, so they end at once; a reader already pinning one is served.
+5. Shutdown (vLLM's SIGTERM reached the EngineCore): turns nobody reads yet
+   would hold a drain for their whole TTL, so ``evict_unread`` ends them at
+   once (a reader already pinning one is served), and a turn that finishes
+   from then on is not kept at all (``keep`` answers None): a decode ending
+   during the drain must not hold it to the force-kill.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm_pd_ext import compat
@@ -39,9 +48,14 @@ logger = get_logger(__name__)
 
 class TurnKeeper:
     def __init__(self, cfg: PDConfig, lender: BlockLender, identity: KVTransferParams,
-                 block_size: int, stats: PDStats) -> None:
+                 block_size: int, stats: PDStats, legs_signed: bool = False,
+                 is_shutting_down: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
+        #: The EngineCore was told to shut down (``PDScheduler.shutting_down``).
+        self.is_shutting_down = is_shutting_down
         self.lender = lender
+        #: The engine has a shared secret: every leg is vllm-pd-proxy's.
+        self.legs_signed = legs_signed
         #: This engine as a KV source (engine id, host, port, TP size).
         self.identity = identity
         self.block_size = block_size
@@ -62,7 +76,8 @@ class TurnKeeper:
              sweep: Any) -> dict[str, Any] | None:
         """Keep a finished turn's full blocks; the answer naming them, or None.
         ``sweep`` frees what the budget evicted before more blocks are pinned."""
-        if not bidir.wants_keep(self.cfg.bidirectional_kv_xfer, params.pd_bidirectional):
+        if not bidir.wants_keep(self.cfg.bidirectional_kv_xfer, params.pd_bidirectional,
+                                self.legs_signed):
             return None
         if not compat.is_finished_ok(request):
             return None
@@ -71,6 +86,12 @@ class TurnKeeper:
         if num_blocks == 0:
             return None
         rid = request.request_id
+        if self.is_shutting_down():
+            self.stats.inc("num_turns_not_kept")
+            logger.info("PDConnector: turn %s not kept: the engine is shutting down (a kept "
+                        "turn would hold the drain until its TTL)", rid)
+            return None
+        scope = bidir.hash_scope(*compat.cache_scope(request))
         if not self.kept.admit(num_blocks, self.lender.evict):
             self.stats.inc("num_turns_not_kept")
             logger.info("PDConnector: turn %s not kept: %d blocks do not fit "
@@ -100,8 +121,29 @@ class TurnKeeper:
             remote_request_id=rid,
             remote_num_tokens=num_blocks * self.block_size,
             remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
-            remote_block_hashes=bidir.block_hashes(tokens, self.block_size, num_blocks),
+            remote_block_hashes=bidir.block_hashes(tokens, self.block_size, num_blocks, scope),
+            remote_hash_scope=bidir.scope_tag(scope),
         ))
+
+    def relieve(self, num_blocks: int) -> int:
+        """vLLM is ``num_blocks`` blocks short: end the oldest unread kept
+        turns until that many of their blocks are on their way back (only a
+        block no request shares comes free: ``BlockLender.num_exclusive``).
+        The sweep frees them. Returns the blocks given back (0: none could be)."""
+        freed: dict[str, int] = {}
+
+        def give_back(key: str) -> int:
+            n = self.lender.num_exclusive(key)
+            if n == 0 or not self.lender.evict(key):
+                return 0
+            freed[key] = n
+            return n
+
+        for key in self.kept.relieve(num_blocks, give_back):
+            logger.info("PDConnector: kept turn %s ended early: vLLM is short of KV blocks "
+                        "(%d of its blocks come back)", key, freed[key])
+        self.stats.inc("num_turns_evicted", len(freed))
+        return sum(freed.values())
 
     def forget(self, freed: list[str], expired: list[str]) -> set[str]:
         """The lender freed these leases' blocks; returns the expired ones that

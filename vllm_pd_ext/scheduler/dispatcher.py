@@ -11,7 +11,10 @@ role that owns it. The transfer mode is resolved once, at construction:
 - D (``Leg.D_LOAD``): ``d_requests.DRequests`` carries the request from
   arrival to end; the mode's consumer (``d_pull`` / ``d_push``) pairs D's
   blocks with P's.
-- D, multi-turn: a finished turn is kept for the next one (``d_keep``).
+- D, multi-turn: a finished turn is kept for the next one (``d_keep``);
+  when vLLM runs short of blocks, unread kept turns end first
+  (``has_pending_block_frees``, vLLM's question before it preempts; and
+  ``_relieve_waiting`` for a waiting request whose blocks do not fit).
 
 One ``leases.lender.BlockLender`` owns every lent block (P's leases, D's kept
 turns); ``_sweep`` frees released and expired ones on every step and every
@@ -34,6 +37,7 @@ from vllm_pd_ext.leases.table import LeaseTable
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
 from vllm_pd_ext.policy import FailureReason
+from vllm_pd_ext.scheduler import bidir
 from vllm_pd_ext.scheduler.counters import SchedulerCounters
 from vllm_pd_ext.scheduler.d_keep import TurnKeeper
 from vllm_pd_ext.scheduler.d_pull import PullConsumer
@@ -87,7 +91,9 @@ class PDScheduler:
             self.engine_id, cfg.effective_heartbeat_interval, cfg.handshake_timeout,
             auth=self.auth)
         self._stats = PDStats()
-        self.keeper = TurnKeeper(cfg, self.lender, self.identity, self.block_size, self._stats)
+        self.keeper = TurnKeeper(cfg, self.lender, self.identity, self.block_size, self._stats,
+                                 legs_signed=self.auth is not None,
+                                 is_shutting_down=lambda: self.shutting_down)
         self.readback = ReadBackConsumer(
             enabled=cfg.bidirectional_kv_xfer, block_size=self.block_size,
             tp_size=self.tp_size, threshold=cfg.kv_recompute_threshold,
@@ -114,6 +120,9 @@ class PDScheduler:
                            telemetry_in_answer=cfg.transfer_telemetry_in_response)
         #: P's requests, by id, from arrival to ``request_finished`` (D's are in ``d``).
         self._legs: dict[str, DecodedLeg] = {}
+        #: This step's waiting requests vLLM asked about and has not allocated
+        #: yet: the blocks each needs (``get_num_new_matched_tokens``).
+        self._unallocated: dict[str, int] = {}
         self._server: SideChannelServer | None = None
         self._counters = SchedulerCounters()
         #: D, push: sleeps through empty steps while D waits for P (wire/wakeup.py).
@@ -159,7 +168,8 @@ class PDScheduler:
         # competes for blocks.
         self._sweep()
         rid = request.request_id
-        leg = decode_leg(request.kv_transfer_params, self.auth)
+        leg = decode_leg(request.kv_transfer_params, self.auth,
+                         compat.sibling_group(rid))
         if leg.unauthenticated:
             self._stats.inc("num_unauthenticated")
         if leg.kind is Leg.D_LOAD:
@@ -176,7 +186,8 @@ class PDScheduler:
         params = leg.params
         assert params is not None
         if params.is_readback:
-            self.readback.arrive(rid, params, list(request.prompt_token_ids))
+            self.readback.arrive(rid, params, list(request.prompt_token_ids),
+                                 bidir.hash_scope(*compat.cache_scope(request)))
         if params.mode is self.mode:
             # Push: P holds this request from now; D's renewals keep its
             # registration while it queues here.
@@ -191,11 +202,16 @@ class PDScheduler:
         if matched is None and request.request_id in self.readback:
             matched = self.readback.plan(request.request_id, request.num_prompt_tokens,
                                          num_computed_tokens)
+        if len(self.keeper.kept) and matched != (None, False):
+            # vLLM allocates next; if it does not, the step's end sees why.
+            self._unallocated[request.request_id] = -(
+                -(int(request.num_tokens) - num_computed_tokens) // self.block_size)
         return matched if matched is not None else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
                                  ) -> None:
         rid = request.request_id
+        self._unallocated.pop(rid, None)
         if rid in self.d:
             self.d.allocate(request, compat.new_block_ids(blocks), num_external_tokens)
         elif rid in self.readback:
@@ -220,6 +236,8 @@ class PDScheduler:
         out = self.d.take_step()
         meta = PDConnectorMetadata(reqs_to_recv=out.recv, reqs_to_fail=out.fail,
                                    push_recv=out.push, push_fail=push_fail)
+        if self._unallocated:
+            self._relieve_waiting()
         self._sweep()
         if self.ringer is not None and self.consumer is not None and self.consumer.num_waiting:
             # P's WRITEs may land any time now: the pump collects their notifications.
@@ -263,9 +281,25 @@ class PDScheduler:
         return len(self.lender) > 0
 
     def has_pending_block_frees(self) -> bool:
-        # Leases D already released free at the next sweep: let vLLM wait for
-        # them rather than preempt a running request. O(1).
-        return self.lender.has_pending_frees()
+        """vLLM asks this when a running request got no block, before it
+        preempts one. Leases D already released free at the next sweep: let
+        vLLM wait for them rather than preempt. Else unread kept turns end
+        now (they free at this step's sweep), so vLLM waits a step for their
+        blocks instead of preempting. O(1) without kept turns."""
+        if self.lender.has_pending_frees():
+            return True
+        return len(self.keeper.kept) > 0 and self.keeper.relieve(1) > 0
+
+    def _relieve_waiting(self) -> None:
+        """The step's end: a waiting request vLLM asked about and did not
+        allocate, whose blocks exceed the free ones, waits for blocks that
+        unread kept turns hold: end those first (oldest first, freed by the
+        sweep that follows), rather than queue the request until they expire."""
+        need = max(self._unallocated.values())
+        self._unallocated.clear()
+        short = need - self.lender.num_free_blocks()
+        if short > 0 and len(self.keeper.kept):
+            self.keeper.relieve(short)
 
     # ---------------------------------------------------------------- the end
     def request_finished(self, request: Any, block_ids: list[int]

@@ -67,14 +67,16 @@ def kind_of(params: KVTransferParams | None) -> Leg:
     return Leg.NONE
 
 
-def decode_leg(raw: Any, frame_auth: auth.FrameAuth | None) -> DecodedLeg:
+def decode_leg(raw: Any, frame_auth: auth.FrameAuth | None, group: str = "") -> DecodedLeg:
     """The request's leg, its typed params, and why they are refused if they are.
 
     Every leg that asks for something privileged (a handoff either way, or a
     kept turn) must carry the proxy's signature when the engine has a shared
     secret; the API server's middleware (``leg_auth.py``) refused a bad one
     already, and this is the EngineCore's own check, so an engine started
-    without that middleware still never acts on an unsigned leg.
+    without that middleware still never acts on an unsigned leg. A
+    signature acts once per client request (``group``: its ``n`` children
+    share it), inside the window (``FrameAuth.admit_leg``).
     """
     try:
         params = decode_params(raw)
@@ -87,7 +89,7 @@ def decode_leg(raw: Any, frame_auth: auth.FrameAuth | None) -> DecodedLeg:
     if kind is Leg.NONE or frame_auth is None:
         return DecodedLeg(kind, params)
     try:
-        auth.verify_leg(frame_auth.keyring, raw)
+        frame_auth.admit_leg(raw, group)
     except auth.AuthError as exc:
         return DecodedLeg(kind, params, problem=f"unauthenticated kv_transfer_params: "
                           f"{exc.reason}", unauthenticated=True)

@@ -5,10 +5,13 @@ Runs on P's scheduler thread (EngineCore process). A P leg whose
 turn (``KVTransferParams.is_readback``) goes through:
 
 1. ``arrive`` (``on_new_request``): verify the prefix by hash
-   (``bidir.matched_blocks`` over P's own prompt tokens); on no match, a
-   disabled engine, params without hashes or an expired lease, fall back at
-   once (D's lease is released) - P then prefills the whole prompt.
-   Otherwise heartbeat D's lease from now, as D does for P's.
+   (``bidir.matched_blocks`` over P's own prompt tokens, scoped by its
+   ``cache_salt`` and LoRA adapter); on no match, a disabled engine, params
+   without hashes or an expired lease, fall back at once (D's lease is
+   released) - P then prefills the whole prompt. A turn of another scope
+   (another tenant's, ``remote_hash_scope``) is neither read nor released:
+   it is not this request's to end. Otherwise heartbeat D's lease from now,
+   as D does for P's.
 2. ``plan`` (``get_num_new_matched_tokens``): subtract P's own prefix-cache
    hit; below ``kv_recompute_threshold`` tokens, fall back. Else vLLM is
    told to load that many tokens asynchronously.
@@ -74,14 +77,17 @@ class ReadBackConsumer:
         return len(self._reqs)
 
     # ---------------------------------------------------------------- steps
-    def arrive(self, rid: str, params: KVTransferParams, prompt_token_ids: list[int]) -> None:
-        why = self._refusal(params)
+    def arrive(self, rid: str, params: KVTransferParams, prompt_token_ids: list[int],
+               scope: bytes | None = None) -> None:
+        """A P leg naming D's kept turn; ``scope``: this request's
+        (``bidir.hash_scope`` of its cache_salt and LoRA adapter)."""
+        why = self._refusal(params, scope)
         remote: list[int] = []
         matched = 0
         if why is None:
             remote = params.flat_remote_block_ids()
             hashes = list(params.remote_block_hashes or ())[:len(remote)]
-            matched = bidir.matched_blocks(prompt_token_ids, self.block_size, hashes)
+            matched = bidir.matched_blocks(prompt_token_ids, self.block_size, hashes, scope)
             if matched == 0:
                 why = Fallback.MISMATCH
         if why is not None:
@@ -94,7 +100,11 @@ class ReadBackConsumer:
         logger.info("PDConnector: request %s: %d of %d blocks kept by engine %s match this "
                     "prompt", rid, matched, len(remote), params.remote_engine_id)
 
-    def _refusal(self, params: KVTransferParams) -> Fallback | None:
+    def _refusal(self, params: KVTransferParams, scope: bytes | None) -> Fallback | None:
+        # First: every other fallback releases D's lease, and another
+        # tenant's turn is not this request's to end.
+        if params.remote_hash_scope != bidir.scope_tag(scope):
+            return Fallback.FOREIGN
         if not self.enabled:
             return Fallback.DISABLED
         if not params.remote_block_hashes:
@@ -188,6 +198,11 @@ class ReadBackConsumer:
     # ------------------------------------------------------------- helpers
     def _fall_back(self, rid: str, params: KVTransferParams, why: Fallback) -> None:
         self._count(why)
+        if why is Fallback.FOREIGN:
+            logger.warning("PDConnector: request %s: the turn engine %s kept is of another "
+                           "cache_salt or LoRA adapter; P neither reads nor releases it, and "
+                           "prefills the prompt", rid, params.remote_engine_id)
+            return
         level = logger.info if why in (Fallback.CACHED, Fallback.SHORT) else logger.warning
         level("PDConnector: request %s: no read-back from engine %s (%s); P prefills it",
               rid, params.remote_engine_id, why.value)

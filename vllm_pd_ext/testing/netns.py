@@ -30,10 +30,12 @@ A partition is ``Host.set_link(False)``: the root side of the veth goes down
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -81,13 +83,15 @@ def _missing_shim() -> str:
 def linklocal_shim() -> Path:
     """The UCX link-local shim, built once per version of its source.
 
-    Kept in the temp directory under a name carrying the source's hash, so
-    concurrent test runs share one build and an edit rebuilds it.
+    Kept in this user's private directory under the temp directory
+    (``shim_dir``), under a name carrying the source's hash, so concurrent
+    test runs share one build and an edit rebuilds it. Engines preload it,
+    so nobody else may be able to put a library there.
     """
     if not SHIM_SOURCE.is_file():
         raise FileNotFoundError(_missing_shim())
     digest = hashlib.sha256(SHIM_SOURCE.read_bytes()).hexdigest()[:12]
-    out = Path(tempfile.gettempdir()) / f"vllm-pd-ext-ucx-linklocal-{digest}.so"
+    out = shim_dir() / f"ucx-linklocal-{digest}.so"
     if not out.exists():
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         r = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-Wall", "-o", str(tmp),
@@ -96,6 +100,21 @@ def linklocal_shim() -> Path:
             raise RuntimeError(f"building {SHIM_SOURCE.name} failed: {r.stderr.strip()[:500]}")
         os.replace(tmp, out)
     return out
+
+
+def shim_dir() -> Path:
+    """``<tmp>/vllm-pd-ext-<uid>``, created 0700; refused unless it is a
+    directory (not a link) owned by this user that nobody else may write."""
+    path = Path(tempfile.gettempdir()) / f"vllm-pd-ext-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise RuntimeError(
+            f"{path} is not a private directory of this user (owner {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}{', a link' if stat.S_ISLNK(st.st_mode) else ''}): "
+            "the UCX shim engines preload is built there; remove it")
+    return path
 
 
 @dataclass

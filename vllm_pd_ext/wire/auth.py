@@ -46,6 +46,10 @@ from typing import Annotated, Any, Final
 
 import msgspec
 
+from vllm_pd_ext.log import get_logger
+
+logger = get_logger(__name__)
+
 #: The environment variable read when ``auth_secret_env`` is not set.
 DEFAULT_SECRET_ENV: Final = "VLLM_PD_AUTH_SECRET"
 MIN_SECRET_LEN: Final = 16
@@ -75,10 +79,13 @@ class AuthError(Exception):
     valid but was made for another prompt or request.
     """
 
-    def __init__(self, reason: str, status: int = 401) -> None:
+    def __init__(self, reason: str, status: int = 401,
+                 param: str = "kv_transfer_params") -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
+        #: The request field a leg refusal names (OpenAI's ``error.param``).
+        self.param = param
 
 
 class SecretError(ValueError):
@@ -128,6 +135,7 @@ class Keyring:
             path = Path(file_path)
             try:
                 with path.open("rb") as f:
+                    _check_mode(file_path, os.fstat(f.fileno()))
                     data = f.read(MAX_SECRET_FILE_BYTES + 1)
             except OSError as exc:
                 raise SecretError(f"auth_secret_file {file_path}: {exc.strerror or exc}") from None
@@ -151,6 +159,22 @@ class Keyring:
         others = sorted(k for k in self.keys if k != self.signing_kid)
         extra = f", also accepting {', '.join(others)}" if others else ""
         return f"{self.source}: signing with key {self.signing_kid}{extra}"
+
+
+def _check_mode(file_path: str, st: os.stat_result) -> None:
+    """Refuse a secret file anyone may write (anyone could then choose the
+    secret); warn when its group may write it or others may read it
+    (Kubernetes mounts secrets 0644 by default, and a umask of 002 makes
+    files group-writable, so those alone are not refused)."""
+    mode = st.st_mode & 0o777
+    if mode & 0o002:
+        raise SecretError(f"auth_secret_file {file_path} is writable by others (mode "
+                          f"{mode:o}): chmod 600 it")
+    if mode & 0o064:
+        who = "writable by its group" if mode & 0o020 else (
+            "readable by others" if mode & 0o004 else "readable by its group")
+        logger.warning("auth_secret_file %s is %s (mode %o): chmod 600 it (or 0400 via "
+                       "the Secret's defaultMode)", file_path, who, mode)
 
 
 # --------------------------------------------------------------------------
@@ -202,8 +226,9 @@ class FrameAuth:
         self.window_s = window_s
         self._clock = clock
         self._max_nonces = max_nonces
-        #: Nonce -> when (our clock) a replay of it could no longer pass the window.
-        self._seen: dict[bytes, float] = {}
+        #: Nonce (or leg MAC) -> (when, our clock, a replay of it could no
+        #: longer pass the window; the request group that used it).
+        self._seen: dict[bytes, tuple[float, str]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ requests
@@ -235,13 +260,8 @@ class FrameAuth:
         if abs(skew) > self.window_s:
             raise AuthError(f"timestamp {skew:+.1f} s off this engine's clock (window "
                             f"{self.window_s:.0f} s): a replay, or clocks out of sync")
-        with self._lock:
-            self._forget_expired(now)
-            if hdr.nonce in self._seen:
-                raise AuthError("replayed frame (its nonce was already used)")
-            if len(self._seen) >= self._max_nonces:
-                raise AuthError("replay cache full; frame refused")
-            self._seen[hdr.nonce] = hdr.ts_ms / 1000 + self.window_s
+        self._remember(hdr.nonce, hdr.ts_ms / 1000, "replayed frame (its nonce was already "
+                       "used)")
         return hdr.nonce
 
     def _forget_expired(self, now: float) -> None:
@@ -249,10 +269,40 @@ class FrameAuth:
         # (within the skew), so stopping at the first live one is enough.
         seen = self._seen
         while seen:
-            nonce, until = next(iter(seen.items()))
+            nonce, (until, _group) = next(iter(seen.items()))
             if until >= now:
                 break
             del seen[nonce]
+
+    def admit_leg(self, params: Mapping[str, Any], group: str) -> None:
+        """The EngineCore's check of a request's signed ``kv_transfer_params``:
+        a valid MAC, inside the window, and not used before on this engine
+        by another client request.
+
+        ``group`` names the client request an engine request belongs to
+        (``compat.sibling_group``): the ``n`` children vLLM fans out of one
+        request share its params legitimately; any other request with them
+        is a replay. A signature the API server let through once cannot pin
+        a second lease or take a second kept turn, whatever prompt comes with
+        it (the middleware binds it to the prompt and request id; a body
+        that slips past it still meets this). Only valid signatures are
+        remembered.
+        """
+        ts, mac = verify_leg(self.keyring, params, now=self._clock(), window_s=self.window_s)
+        self._remember(b"leg:" + mac.encode(), ts, "kv_transfer_params were already used "
+                       "by another request (a replayed signature)", group)
+
+    def _remember(self, nonce: bytes, ts: float, replayed: str, group: str = "") -> None:
+        with self._lock:
+            self._forget_expired(self._clock())
+            seen = self._seen.get(nonce)
+            if seen is not None:
+                if group and seen[1] == group:
+                    return
+                raise AuthError(replayed)
+            if len(self._seen) >= self._max_nonces:
+                raise AuthError("replay cache full; refused")
+            self._seen[nonce] = (ts + self.window_s, group)
 
     @property
     def num_nonces(self) -> int:
@@ -341,12 +391,14 @@ _LEG_RE = re.compile(r"^v1\.([0-9a-f]{8})\.(-?[0-9]{1,16})\.([0-9a-f]{32})\.([0-
 
 def verify_leg(keyring: Keyring, params: Mapping[str, Any], *, request_id: str | None = None,
                body: Mapping[str, Any] | None = None, now: float | None = None,
-               window_s: float = DEFAULT_WINDOW_S) -> None:
-    """Raise ``AuthError`` unless ``params`` carry a valid ``pd_sig``.
+               window_s: float = DEFAULT_WINDOW_S) -> tuple[float, str]:
+    """The signature's (timestamp in seconds, MAC); ``AuthError`` unless
+    ``params`` carry a valid ``pd_sig``.
 
     The API server passes everything (``request_id``, ``body``, ``now``); the
-    EngineCore, which sees neither the body nor the proxy's request id and
-    may start a queued request late, checks the MAC alone.
+    EngineCore, which sees neither the body nor the proxy's request id,
+    checks the MAC and the window when the request arrives, and that the
+    signature is used once (``FrameAuth.admit_leg``).
     """
     token = params.get(LEG_FIELD)
     if token is None:
@@ -373,3 +425,4 @@ def verify_leg(keyring: Keyring, params: Mapping[str, Any], *, request_id: str |
     if request_id is not None and _rid_digest(request_id) != rid:
         raise AuthError("kv_transfer_params were signed for another request id "
                         "(X-Request-Id)", status=403)
+    return int(ts_raw) / 1000, mac

@@ -20,6 +20,10 @@ different versions refuse each other at the handshake):
   carries the model's total KV heads and MLA; a handshake names D's TP size
   and its reply carries every P rank's agent; pins and releases name how
   many D ranks consume the lease.
+- 7: tenants in multi-turn: ``remote_block_hashes`` are seeded with the
+  request's ``cache_salt`` and LoRA adapter, which D's answer names with
+  ``remote_hash_scope``; a P reads back and releases only a turn of its own
+  scope (an engine of version 6 hashes a salted turn like an unsalted one).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -169,8 +173,13 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     #: A P leg carrying them reads back the prefix whose hashes match.
     remote_block_hashes: Annotated[list[BlockHash],
                                    msgspec.Meta(max_length=MAX_BLOCKS)] | None = None
+    #: Bidirectional: whose turn ``remote_block_hashes`` hash (``bidir.scope_tag``
+    #: of the request's cache_salt and LoRA adapter); absent: neither (protocol 7).
+    #: P reads back and releases only a turn of its own request's scope.
+    remote_hash_scope: BlockHash | None = None
     #: D leg: keep this turn's blocks for the next one (True), or not (False);
-    #: absent (an upstream proxy): the engine's ``bidirectional_kv_xfer`` decides.
+    #: absent (an upstream proxy): the engine's ``bidirectional_kv_xfer`` decides,
+    #: on an engine without a shared secret only (``bidir.wants_keep``).
     pd_bidirectional: bool | None = None
 
     @property

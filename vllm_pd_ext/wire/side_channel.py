@@ -38,6 +38,7 @@ import zmq
 from vllm_pd_ext.leases.service import LeaseService as LeaseService
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.tp_slices import TPMappingError, sharding_of, slices_for
+from vllm_pd_ext.wire import curve
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import AuthError, FrameAuth
 from vllm_pd_ext.wire.protocol import LOCAL_CODES, ErrorCode
@@ -122,10 +123,19 @@ class SideChannelServer:
         # zmq drops a larger frame and disconnects its sender before any of
         # it is buffered whole: a hostile peer cannot make us allocate more.
         self._sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, curve.HANDSHAKE_IVL_MS)
+        # With a secret: CURVE, and the ZAP handler bound before the socket
+        # binds, so a peer without the secret never gets a message assembled.
+        self._zap: curve.ZapHandler | None = None
+        if auth is not None:
+            self._zap = curve.ZapHandler(self._ctx, curve.admitted_keys(auth.keyring))
+            curve.configure_server(self._sock)
+        #: Handshakes refused or failed (counted in ``num_unauthenticated``).
+        self._watch = curve.HandshakeWatch(self._sock)
         try:
             self._sock.bind(self.address)
         except zmq.ZMQError as exc:
-            self._sock.close()
+            self._close_sockets()
             self._ctx.term()
             raise SideChannelError(
                 f"PDConnector: cannot bind side channel {self.address}: {exc} "
@@ -144,19 +154,33 @@ class SideChannelServer:
         try:
             self._serve_until_stopped()
         finally:
-            self._sock.close()
+            self._close_sockets()
             self._ctx.term()
+
+    def _close_sockets(self) -> None:
+        self._watch.close()
+        if self._zap is not None:
+            self._zap.close()
+        self._sock.close()
 
     def _serve_until_stopped(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.socket, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.socket, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not poller.poll(200):
-                    continue
+                ready = dict(poller.poll(200))
             except zmq.ZMQError as exc:  # e.g. EINTR: never let it end the thread
                 logger.warning("PDConnector: side channel poll failed: %s", exc)
                 self._stop.wait(0.05)
+                continue
+            if self._zap is not None and self._zap.socket in ready:
+                self._zap.handle()
+            if self._watch.socket in ready:
+                self._count_failed_handshakes()
+            if self._sock not in ready:
                 continue
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -195,6 +219,13 @@ class SideChannelServer:
             return self._unauthenticated(exc.reason)
         body = proto.encode(self.handle(parts[1], authenticated=True))
         return [self.auth.sign_reply(body, nonce), body]
+
+    def _count_failed_handshakes(self) -> None:
+        for _ in range(1000):  # bounded: the message socket must not starve
+            reason = self._watch.failure()
+            if reason is None:
+                return
+            self._unauthenticated(f"handshake refused: {reason}")
 
     def _unauthenticated(self, reason: str) -> list[bytes]:
         self.num_unauthenticated += 1
@@ -321,6 +352,8 @@ class SideChannelClient:
         self.idle_ttl_s = idle_ttl_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
+        #: Each socket's handshake failures (a refused handshake fails fast).
+        self._watches: dict[str, curve.HandshakeWatch] = {}
         #: Address -> last use, least recently used first (``reap`` stops early).
         self._used: dict[str, float] = {}
         self._clock = clock
@@ -336,10 +369,12 @@ class SideChannelClient:
             if sock is None:
                 sock = self._ctx.socket(zmq.REQ)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
                 sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
                 sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+                if self.auth is not None:
+                    curve.configure_client(sock, self.auth.keyring)
                 self._socks[addr] = sock
+                self._watches[addr] = curve.HandshakeWatch(sock)
                 # Inside the try: libzmq refuses some addresses here
                 # (``tcp://p 1:5600``), and that must fail this request only.
                 sock.connect(addr)
@@ -350,12 +385,9 @@ class SideChannelClient:
             else:
                 header, nonce = self.auth.sign_request(body)
                 sock.send_multipart([header, body])
-            parts = sock.recv_multipart()
+            parts = self._receive(addr, sock)
         except zmq.ZMQError as exc:
-            if sock is not None:
-                sock.close()
-            self._socks.pop(addr, None)
-            self._used.pop(addr, None)
+            self._close(addr)
             timed_out = exc.errno == zmq.EAGAIN
             raise SideChannelError(
                 f"side channel {addr} did not answer within {self.timeout_ms} ms ({exc})"
@@ -383,6 +415,24 @@ class SideChannelClient:
             raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply
 
+    def _receive(self, addr: str, sock: zmq.Socket[bytes]) -> list[bytes]:
+        """The reply's frames; a refused handshake fails at once, with why
+        (without the watch it would look like a peer that never answers)."""
+        watch = self._watches[addr]
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(watch.socket, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in ready:
+                return sock.recv_multipart()
+            if watch.socket in ready and (reason := watch.failure()) is not None:
+                self._close(addr)
+                raise SideChannelError(f"side channel {addr}: handshake refused: {reason}",
+                                       ErrorCode.UNAUTHENTICATED)
+        raise zmq.Again()
+
     def reap(self, now: float | None = None) -> int:
         """Close the sockets unused for ``idle_ttl_s``; returns how many."""
         now = self._clock() if now is None else now
@@ -401,6 +451,9 @@ class SideChannelClient:
 
     def _close(self, addr: str) -> bool:
         self._used.pop(addr, None)
+        watch = self._watches.pop(addr, None)
+        if watch is not None:
+            watch.close()
         sock = self._socks.pop(addr, None)
         if sock is None:
             return False
@@ -412,7 +465,5 @@ class SideChannelClient:
         return len(self._socks)
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close()
-        self._socks.clear()
-        self._used.clear()
+        for addr in list(self._socks):
+            self._close(addr)
