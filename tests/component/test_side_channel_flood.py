@@ -60,20 +60,30 @@ def peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def flood(ctx: zmq.Context, port: int, keys: tuple[bytes, bytes] | None) -> None:
-    """``MESSAGES`` many-part messages from one socket; ``keys``: its CURVE pair."""
+def flood(ctx: zmq.Context, port: int, keys: tuple[bytes, bytes] | None) -> int:
+    """Up to ``MESSAGES`` many-part messages from one socket (``keys``: its
+    CURVE pair); how many were queued."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         sock.setsockopt(zmq.CURVE_SERVERKEY, curve.SERVER_PUBLIC_KEY)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+    # Once a refused handshake dropped the connection, the socket has no
+    # peer and a send blocks: bounded, and what was queued is enough.
+    sock.setsockopt(zmq.SNDTIMEO, 2000)
     sock.connect(f"tcp://{HOST}:{port}")
     chunk = memoryview(bytes(FRAME))  # one buffer, sent FRAMES times (copy=False)
+    queued = 0
     for _ in range(MESSAGES):
-        sock.send_multipart([b"", *([chunk] * FRAMES)], copy=False)
+        try:
+            sock.send_multipart([b"", *([chunk] * FRAMES)], copy=False)
+        except zmq.Again:
+            break
+        queued += 1
     time.sleep(2.0)  # long enough to be read, had the handshake passed
     sock.close()
+    return queued
 
 
 @pytest.mark.parametrize("peer", ["plain", "random_curve_key", "other_secret"])
@@ -93,6 +103,8 @@ def test_many_part_flood_from_a_peer_without_the_secret_allocates_nothing(peer: 
         before = peak_rss_mib(server.pid)
         keys = {"plain": None, "random_curve_key": zmq.curve_keypair(),
                 "other_secret": curve.client_keypair(WRONG.encode())}[peer]
+        # Queued: up to all 4. None when the refusal came first; a server
+        # that admitted the peer would have taken all 4 (and grown by 1 GiB).
         flood(ctx, port, keys)
         # Still serving a holder of the secret, and the flood cost nothing.
         assert isinstance(client.request(HOST, port, hello), proto.HandshakeReply)

@@ -30,9 +30,10 @@ class App:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-def call(mw: LegAuthMiddleware, body: dict[str, Any], rid: str = "rid-1",
+def call(mw: LegAuthMiddleware, body: dict[str, Any] | bytes, rid: str = "rid-1",
          method: str = "POST", chunks: int = 1, app: Any = None) -> tuple[int, Any]:
-    raw = json.dumps(body).encode()
+    """``body`` (a dict, or raw bytes as sent) through ``mw``: (status, answer)."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     step = -(-len(raw) // chunks)
     parts = [raw[i:i + step] for i in range(0, len(raw), step)]
     queue = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1}
@@ -122,20 +123,9 @@ def test_a_key_spelled_with_a_json_escape_is_still_checked() -> None:
         '"kv_transfer_params"', '"kv_transfer\\u005fparams"').encode()
     assert b"kv_transfer_params" not in raw
     assert json.loads(raw)["kv_transfer_params"] == D_PARAMS
-    sent: list[Any] = []
-    queue = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive() -> Any:
-        return queue.pop(0) if queue else {"type": "http.disconnect"}
-
-    async def send(msg: Any) -> None:
-        sent.append(msg)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(b"x-request-id", b"rid-1")], "client": ("10.0.0.9", 1)}
-    asyncio.run(mw(scope, receive, send))
-    assert sent[0]["status"] == 401 and app.bodies == []
-    assert "not signed" in json.loads(sent[1]["body"])["error"]["message"]
+    status, answer = call(mw, raw)
+    assert status == 401 and app.bodies == []
+    assert "not signed" in answer["error"]["message"]
 
 
 @pytest.mark.parametrize("params", [
@@ -183,20 +173,9 @@ def test_a_key_given_twice_gets_a_400() -> None:
     mw = LegAuthMiddleware(app, keyring=KR)
     inner = json.dumps(signed({"do_remote_decode": True}))[1:-1]
     raw = ('{"kv_transfer_params": {}, ' + inner + "}").encode()
-    sent: list[Any] = []
-    queue = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive() -> Any:
-        return queue.pop(0) if queue else {"type": "http.disconnect"}
-
-    async def send(msg: Any) -> None:
-        sent.append(msg)
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(b"x-request-id", b"rid-1")], "client": ("10.0.0.9", 1)}
-    asyncio.run(mw(scope, receive, send))
-    assert sent[0]["status"] == 400 and app.bodies == []
-    assert "more than once" in json.loads(sent[1]["body"])["error"]["message"]
+    status, answer = call(mw, raw)
+    assert status == 400 and app.bodies == []
+    assert "more than once" in answer["error"]["message"]
 
 
 def test_a_stale_leg_with_an_escaped_key_and_another_prompt_is_refused() -> None:
