@@ -105,10 +105,12 @@ def test_many_part_flood_from_a_peer_without_the_secret_allocates_nothing(peer: 
                 "other_secret": curve.client_keypair(WRONG.encode())}[peer]
         # Queued: up to all 4. None when the refusal came first; a server
         # that admitted the peer would have taken all 4 (and grown by 1 GiB).
-        flood(ctx, port, keys)
+        queued = flood(ctx, port, keys)
         # Still serving a holder of the secret, and the flood cost nothing.
         assert isinstance(client.request(HOST, port, hello), proto.HandshakeReply)
         grown = peak_rss_mib(server.pid) - before
+        print(f"{peer}: {queued} x {FRAMES * FRAME >> 20} MiB queued; the server's peak "
+              f"memory {before:.0f} -> {before + grown:.0f} MiB")  # shown with -rP
         assert grown < 32, f"the server's peak memory grew by {grown:.0f} MiB"
         server.stdin.write("count\n")
         server.stdin.flush()

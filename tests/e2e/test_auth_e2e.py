@@ -232,6 +232,8 @@ def test_round_two_floods_replays_and_escaped_keys_achieve_nothing(
     for name in ("flood_plain", "flood_curve"):
         assert not seen[name]["reply"], (name, seen[name])
     grown = peak_rss_mib(p.proc.pid) - peak_before  # type: ignore[union-attr]
+    print(f"flood: {seen['flood_plain']['queued_mib']} + {seen['flood_curve']['queued_mib']} "
+          f"MiB queued; P's peak {peak_before:.0f} -> {peak_before + grown:.0f} MiB")
     assert grown < 256, f"P's peak memory grew by {grown:.0f} MiB under the flood"
     # 2. Replays and escaped keys: refused by the API server, or (the fresh
     #    leg replayed as is, which the API server cannot tell from the first
