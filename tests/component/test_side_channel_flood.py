@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import zmq
 from pdunit_utils import free_port
 
+from vllm_pd_ext.testing.flood import many_part_flood
 from vllm_pd_ext.wire import curve
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth, Keyring
@@ -60,38 +60,11 @@ def peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-def flood(ctx: zmq.Context, port: int, keys: tuple[bytes, bytes] | None) -> int:
-    """Up to ``MESSAGES`` many-part messages from one socket (``keys``: its
-    CURVE pair); how many were queued."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.SERVER_PUBLIC_KEY)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
-        sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
-    # Once a refused handshake dropped the connection, the socket has no
-    # peer and a send blocks: bounded, and what was queued is enough.
-    sock.setsockopt(zmq.SNDTIMEO, 2000)
-    sock.connect(f"tcp://{HOST}:{port}")
-    chunk = memoryview(bytes(FRAME))  # one buffer, sent FRAMES times (copy=False)
-    queued = 0
-    for _ in range(MESSAGES):
-        try:
-            sock.send_multipart([b"", *([chunk] * FRAMES)], copy=False)
-        except zmq.Again:
-            break
-        queued += 1
-    time.sleep(2.0)  # long enough to be read, had the handshake passed
-    sock.close()
-    return queued
-
-
 @pytest.mark.parametrize("peer", ["plain", "random_curve_key", "other_secret"])
 def test_many_part_flood_from_a_peer_without_the_secret_allocates_nothing(peer: str) -> None:
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port), SECRET],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    ctx = zmq.Context()
     client = SideChannelClient(5.0, auth=FrameAuth(Keyring.parse(SECRET, "test")))
     try:
         assert server.stdout is not None and server.stdin is not None
@@ -105,11 +78,13 @@ def test_many_part_flood_from_a_peer_without_the_secret_allocates_nothing(peer: 
                 "other_secret": curve.client_keypair(WRONG.encode())}[peer]
         # Queued: up to all 4. None when the refusal came first; a server
         # that admitted the peer would have taken all 4 (and grown by 1 GiB).
-        queued = flood(ctx, port, keys)
+        res = many_part_flood(HOST, port, keys, frame_bytes=FRAME, frames=FRAMES,
+                              messages=MESSAGES)
+        assert not res.replied
         # Still serving a holder of the secret, and the flood cost nothing.
         assert isinstance(client.request(HOST, port, hello), proto.HandshakeReply)
         grown = peak_rss_mib(server.pid) - before
-        print(f"{peer}: {queued} x {FRAMES * FRAME >> 20} MiB queued; the server's peak "
+        print(f"{peer}: {res.queued} x {FRAMES * FRAME >> 20} MiB queued; the server's peak "
               f"memory {before:.0f} -> {before + grown:.0f} MiB")  # shown with -rP
         assert grown < 32, f"the server's peak memory grew by {grown:.0f} MiB"
         server.stdin.write("count\n")
@@ -117,6 +92,5 @@ def test_many_part_flood_from_a_peer_without_the_secret_allocates_nothing(peer: 
         assert int(server.stdout.readline()) >= 1  # the refused handshake(s), counted
     finally:
         client.close()
-        ctx.destroy(linger=0)
         server.kill()
         server.wait(timeout=10)

@@ -99,42 +99,17 @@ MESSAGES = 4
 
 
 def flood(host: str, port: int, curve_keys: bool) -> dict[str, Any]:
-    """``MESSAGES`` many-part messages from one socket (one 8 MiB buffer
-    referenced by every frame: this process allocates it once)."""
-    import time
-
+    """``MESSAGES`` many-part messages; ``curve_keys``: a CURVE socket with a
+    random key (the server's key is public by design), else a plain one."""
     import zmq
 
-    from vllm_pd_ext.wire import curve
+    from vllm_pd_ext.testing.flood import many_part_flood
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if curve_keys:  # the server's key is public by design; ours is random
-        public, secret = zmq.curve_keypair()
-        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.SERVER_PUBLIC_KEY)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    # A socket with no peer blocks: a refused handshake leaves none.
-    sock.setsockopt(zmq.SNDTIMEO, 2000)
-    sock.connect(f"tcp://{host}:{port}")
-    chunk = memoryview(bytes(FRAME))
-    queued = 0
-    for _ in range(MESSAGES):
-        try:
-            sock.send_multipart([b"", *([chunk] * FRAMES)], copy=False)
-        except zmq.Again:
-            break
-        queued += 1
-    print(f"flood curve={curve_keys}: {queued} message(s) queued", file=sys.stderr, flush=True)
-    time.sleep(3.0)  # time to be read, had the handshake passed
-    try:
-        reply = sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        reply = None
-    sock.close()
-    ctx.term()
-    return {"queued_mib": queued * FRAMES * FRAME >> 20, "reply": reply is not None}
+    res = many_part_flood(host, port, zmq.curve_keypair() if curve_keys else None,
+                          frame_bytes=FRAME, frames=FRAMES, messages=MESSAGES, settle_s=3.0)
+    print(f"flood curve={curve_keys}: {res.queued} message(s) queued", file=sys.stderr,
+          flush=True)
+    return {"queued_mib": res.queued * FRAMES * FRAME >> 20, "reply": res.replied}
 
 
 def round_two(spec: dict[str, Any]) -> dict[str, Any]:
