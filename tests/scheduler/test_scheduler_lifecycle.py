@@ -566,6 +566,45 @@ def test_d_n_children_share_one_load_then_hit_the_prefix_cache(make_scheduler, f
     assert_empty_after_step(sched)
 
 
+def test_d_n_child_added_after_its_sibling_finished_loads_nothing(make_scheduler, fake_p):
+    """vLLM adds ``n`` children one by one: the first may load and finish
+    before the next arrives (a CI run saw it in push mode: the late child
+    registered with P, which had already dropped the push, and failed the
+    request). A late sibling (same parent id, vLLM's ``{i}_{parent}``)
+    loads nothing and runs as an ordinary request; a request of another
+    client naming the same lease still goes the old way."""
+    port, leases = fake_p
+    with leases.lock:
+        leases.table.grant("p-req")
+    sched = make_scheduler(policy="fail")
+    prompt = [10 + i for i in range(100)]
+    params = remote_params(port, 4, num_tokens=100,
+                           remote_prompt_digest=auth.token_digest(prompt))
+    parent = "cmpl-x-0-1a2b3c4d"
+    first = create_request(100, prompt=prompt, kv_transfer_params=params, max_tokens=2,
+                           request_id=f"0_{parent}")
+    sched.add_request(first)
+    step(sched)
+    step(sched, finished_recving={first.request_id})
+    run_until_finished(sched, first)
+    assert first.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    late = create_request(100, prompt=prompt, kv_transfer_params=params, max_tokens=2,
+                          request_id=f"1_{parent}")
+    sched.add_request(late)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.reqs_to_recv == []
+    assert out.kv_connector_metadata.reqs_to_fail == {}
+    assert late.request_id in out.num_scheduled_tokens  # runs at once, as an ordinary one
+    run_until_finished(sched, late)
+    assert late.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    # Another client's request on that lease is no sibling: it tries to load.
+    other = create_request(100, prompt=prompt, kv_transfer_params=params, max_tokens=2,
+                           request_id="cmpl-y-0-5e6f7a8b")
+    sched.add_request(other)
+    out, _ = step(sched)
+    assert [s.request_id for s in out.kv_connector_metadata.reqs_to_recv] == [other.request_id]
+
+
 def test_d_child_aborted_while_waiting_for_its_leader_leaves_nothing(make_scheduler, fake_p):
     """A follower that ends before the shared load does (the client went
     away) leaves no record; the leader's load and lease are untouched."""

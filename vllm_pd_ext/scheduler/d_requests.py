@@ -81,6 +81,10 @@ def lease_key(params: KVTransferParams) -> str:
     return str(params.remote_request_id)
 
 
+#: Ended leases remembered for late ``n`` siblings (a few seconds' worth).
+MAX_ENDED_LEASES = 1024
+
+
 @dataclass
 class DRequest(Load):
     #: None when its params were refused (``bad`` says why).
@@ -129,6 +133,10 @@ class DRequests:
         self._reqs: dict[str, DRequest] = {}
         #: (P engine id, lease key) -> the D request using it.
         self.lease_users: dict[tuple[str, str], str] = {}
+        #: Leases whose user ended, -> (its sibling group, its id), newest last,
+        #: at most ``MAX_ENDED_LEASES``: an ``n`` child vLLM adds after its
+        #: first sibling already finished must not load (P is done with it).
+        self._ended: dict[tuple[str, str], tuple[str, str]] = {}
         self.out = StepOut()
 
     def __contains__(self, rid: object) -> bool:
@@ -165,6 +173,18 @@ class DRequests:
         key = lease_key(params)
         lease = (str(params.remote_engine_id), key)
         user = self.lease_users.get(lease)
+        ended = self._ended.get(lease)
+        if (user is None and ended is not None and ended[0] == compat.sibling_group(rid)
+                and not compat.is_rejection_notice(request)):
+            # A late sibling: vLLM adds the children one by one, and the first
+            # one's load (even its whole decode) may be over before the next
+            # arrives. It loads nothing: a follower of a leader that is gone
+            # is an ordinary request at its first step (prefix cache, else
+            # it computes the prompt itself).
+            self._reqs[rid] = DRequest(params, leader=ended[1])
+            logger.info("PDConnector: request %s shares the KV load of request %s, which "
+                        "already ended (remote prefill %s)", rid, ended[1], key)
+            return
         if user is not None and user != rid and not compat.is_rejection_notice(request):
             # A second live request on one lease: the ``n``/``best_of``
             # children vLLM fans out of one request share their parent's
@@ -326,5 +346,10 @@ class DRequests:
 
     def _end_lease_use(self, d: DRequest) -> None:
         if d.lease is not None:
-            self.lease_users.pop(d.lease, None)
+            rid = self.lease_users.pop(d.lease, None)
+            if rid is not None:
+                self._ended.pop(d.lease, None)
+                self._ended[d.lease] = (compat.sibling_group(rid), rid)
+                while len(self._ended) > MAX_ENDED_LEASES:
+                    del self._ended[next(iter(self._ended))]
             d.lease = None
