@@ -201,6 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
         "502/503/504 or a failed connect (never once the request was sent)",
     )
     g.add_argument(
+        "--max-migrations",
+        type=int,
+        metavar="N",
+        default=_D.max_migrations,
+        help="times one request may go on elsewhere after an engine failed it: the "
+        "handoff again on other engines before the client got a byte, or a stream "
+        "continued on another decode engine from the tokens already sent (0: never)",
+    )
+    g.add_argument(
+        "--request-deadline",
+        type=float,
+        metavar="S",
+        default=_D.request_deadline,
+        help="no migration starts later than this after the request arrived (0: no "
+        "deadline; each leg stays bounded by its own timeout)",
+    )
+    g.add_argument(
         "--connect-timeout",
         type=float,
         metavar="S",
@@ -341,6 +358,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefix_cache_size=args.prefix_cache_size,
         max_prefill_queue=args.max_prefill_queue,
         prefill_retries=args.prefill_retries,
+        max_migrations=args.max_migrations,
+        request_deadline=args.request_deadline,
         max_inflight_per_prefill=args.max_inflight_per_prefill,
         queue_timeout=args.queue_timeout,
         max_queued=args.max_queued,

@@ -74,6 +74,11 @@ class ProxyConfig:
     # Retries of the prefill leg on another prefill engine (502/503/504 or a
     # failed connect, before anything went to D or the client).
     prefill_retries: int = 1
+    # Request migration (vllm_pd_proxy.migration): how many times one
+    # request may go on elsewhere after an engine failed it (0: never), and
+    # the seconds after its arrival past which none starts (0: no deadline).
+    max_migrations: int = 2
+    request_deadline: float = 0.0
     # Back-pressure (vllm_pd_proxy.admission): P legs in flight per prefill
     # engine (0: no cap), requests waiting for a slot, and how long one waits.
     max_inflight_per_prefill: int = 16
@@ -150,6 +155,10 @@ class ProxyConfig:
             raise ConfigError("--max-prefill-queue needs --local-prefill-threshold > 0")
         if self.prefill_retries < 0:
             raise ConfigError("--prefill-retries must be >= 0")
+        if self.max_migrations < 0:
+            raise ConfigError("--max-migrations must be >= 0")
+        if self.request_deadline < 0:
+            raise ConfigError("--request-deadline must be >= 0 (0: none)")
         if self.max_inflight_per_prefill < 0 or self.max_queued < 0:
             raise ConfigError("--max-inflight-per-prefill and --max-queued must be >= 0")
         timeouts = {

@@ -28,6 +28,8 @@ from .telemetry import LegMarks
 if TYPE_CHECKING:
     from .backends import Backend
     from .metrics import Metrics
+    from .migration import Migration
+    from .stream_track import StreamTracker
 
 access_log = logging.getLogger("vllm_pd_proxy.access")
 
@@ -99,6 +101,18 @@ class RequestContext:
     # A batched request: one context per prompt (vllm_pd_proxy.batch_flow);
     # only this one feeds the metrics and the access log.
     members: tuple[RequestContext, ...] = ()
+    # --max-migrations > 0 (vllm_pd_proxy.migration): the prompt's
+    # migrations, and for a stream what the client got (stream_track).
+    migration: Migration | None = None
+    track: StreamTracker | None = None
+    # Why this stream cannot continue on another D (None: it can).
+    unsupported: str | None = None
+    # Fields the D legs get beyond the client's (return_token_ids).
+    decode_extra: dict[str, Any] | None = None
+    # The client's stream started (a later failure cannot be an HTTP error).
+    stream_started: bool = False
+    # Loop time of the last event relayed to the client.
+    progress: float = 0.0
 
     def mark(self, name: str) -> None:
         """Record that leg event ``name`` happened now (telemetry on only)."""
@@ -116,7 +130,7 @@ class RequestContext:
             access_log.info(
                 "request_id=%s endpoint=%s mode=%s prefill=%s decode=%s status=%d outcome=%s "
                 "ttft_ms=%s e2e_ms=%.1f prompt_tokens_est=%d uncached_est=%s retries=%d "
-                "queue_ms=%.1f%s%s",
+                "queue_ms=%.1f%s%s%s",
                 self.request_id,
                 self.endpoint,
                 self.mode,
@@ -131,5 +145,7 @@ class RequestContext:
                 self.retries,
                 self.queued * 1000,
                 f" prompts={len(self.members)}" if self.members else "",
+                (f" migrations={','.join(self.migration.causes)}"
+                 if self.migration is not None and self.migration.causes else ""),
                 f" error={log_safe(self.error)}" if self.error else "",
             )

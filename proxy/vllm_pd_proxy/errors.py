@@ -90,6 +90,7 @@ class ProxyError(Exception):
         backend: Backend | None = None,
         headers: Mapping[str, str] | None = None,
         draining: bool = False,
+        role: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -104,6 +105,11 @@ class ProxyError(Exception):
         # The backend refused the leg because it is draining: it ran nothing,
         # so the leg (push: both legs) may go to another engine.
         self.draining = draining
+        # The pool at fault ("prefill", "decode"): the backend's, or the
+        # pool that had no engine for the leg.
+        self.role = role if role is not None else (backend.role if backend else None)
+        # An error event a backend sent, relayed as it is when it ends a stream.
+        self.event_data: bytes | None = None
 
     def response(self, request_id: str) -> web.Response:
         # Content-Type as a header: a backend's may carry a charset parameter.
@@ -112,7 +118,7 @@ class ProxyError(Exception):
 
     def sse_event(self) -> bytes:
         """Error event ending a stream that has already started, as vLLM does."""
-        payload = error_json(self.status, self.message, self.err_type)
+        payload = self.event_data or error_json(self.status, self.message, self.err_type)
         return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
@@ -152,8 +158,10 @@ def queue_rejected(
     )
 
 
-def no_backend(detail: str) -> ProxyError:
-    return ProxyError(503, detail, err_type="service_unavailable", outcome=Outcome.NO_BACKEND)
+def no_backend(detail: str, role: str | None = None) -> ProxyError:
+    """No engine of pool ``role`` can take the leg."""
+    return ProxyError(503, detail, err_type="service_unavailable", outcome=Outcome.NO_BACKEND,
+                      role=role)
 
 
 def upstream_status(

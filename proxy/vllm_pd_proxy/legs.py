@@ -50,9 +50,13 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], responses: boo
     return leg
 
 
-def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The D leg: the client body plus ``kv_params`` (None: local prefill)."""
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The D leg: the client body plus ``kv_params`` (None: local prefill)
+    and ``extra`` (what the proxy asks D for itself: ``return_token_ids``)."""
     leg = dict(body)
+    if extra:
+        leg.update(extra)
     if kv_params is None:
         leg.pop("kv_transfer_params", None)
     else:

@@ -106,6 +106,22 @@ class Metrics:
         self.retries = Counter(
             "pd_proxy_retries", "Legs retried on another backend", ["role"], registry=reg
         )
+        self.migrations = Counter(
+            "pd_proxy_migrations",
+            "Requests that went on elsewhere after an engine failed them, counted once "
+            "per migration when the request ended: cause (prefill_failed, no_prefill, "
+            "decode_failed, mid_stream) and outcome (ok, failed); a failure that could "
+            "not migrate counts once with outcome exhausted or unsupported",
+            ["cause", "outcome"],
+            registry=reg,
+        )
+        self.migration_added = Histogram(
+            "pd_proxy_migration_added_seconds",
+            "Per migrated request that ended well: the client's extra wait, from each "
+            "failure's last progress to the replacement's first byte, summed",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.decisions = Counter(
             "pd_proxy_prefill_decisions",
             "Where the prompt was prefilled: remote (P engine) or local (D engine), and why",

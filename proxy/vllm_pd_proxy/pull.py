@@ -52,22 +52,28 @@ async def run_pull(
     decode: Backend | None,
     prefix: tuple[int, ...] | None,
     turn: Turn | None = None,
+    avoid_p: list[Backend] | None = None,
+    avoid_d: list[Backend] | None = None,
 ) -> web.StreamResponse:
-    """Serve one request in pull mode: P leg, then D leg with P's params."""
+    """Serve one request in pull mode: P leg, then D leg with P's params.
+
+    ``avoid_p``/``avoid_d``: engines an earlier attempt of this request
+    failed on (a migration); neither is chosen again.
+    """
     if decode is None and not up.decode.any_routable():
         # D is picked after P (its load changes meanwhile), but a prefill
         # whose KV no decode engine can take would be wasted work.
-        raise errors.no_backend(up.decode.describe_unavailable())
+        raise errors.no_backend(up.decode.describe_unavailable(), "decode")
     leg = affinity.with_readback(pull_prefill_params(), turn)
     p_body = _encode(prefill_body(body, up.sign(leg, ctx, body), ctx.responses))
     try:
-        answer = await _prefill_with_retry(up, ctx, p_body, headers)
+        answer = await _prefill_with_retry(up, ctx, p_body, headers, avoid_p)
     except errors.ProxyError as exc:
         if not affinity.readback_failed(ctx, exc, turn):
             raise
         p_body = _encode(prefill_body(body, up.sign(pull_prefill_params(), ctx, body),
                                          ctx.responses))
-        answer = await _prefill_with_retry(up, ctx, p_body, headers)
+        answer = await _prefill_with_retry(up, ctx, p_body, headers, avoid_p)
     # Not decoded here: D gets P's params verbatim and decodes them itself
     # (a malformed field is D's 400, naming it); the proxy only needs some.
     params = answer.get("kv_transfer_params")
@@ -83,8 +89,8 @@ async def run_pull(
     # Always said: a D with bidirectional_kv_xfer would otherwise keep every
     # turn (vLLM's multi-turn demo proxy relies on that) for nobody to read.
     params = dict(params, pd_bidirectional=ctx.capture_kv)
-    d_body = _encode(decode_body(body, up.sign(params, ctx, body)))
-    tried: list[Backend] = []
+    d_body = _encode(decode_body(body, up.sign(params, ctx, body), ctx.decode_extra))
+    tried: list[Backend] = list(avoid_d or ())
     while True:
         try:
             return await up.decode_leg(sink, ctx, decode, d_body, headers, prefix,
@@ -92,16 +98,18 @@ async def run_pull(
         except errors.ProxyError as exc:
             # Any D can take P's lease, and a D that refused the leg unrun
             # (draining) or was never reached holds nothing of it.
-            if not up.redispatch(ctx, exc, "decode", tried):
+            if not up.redispatch(ctx, exc, "decode", tried, len(avoid_d or ())):
                 raise
             decode = None
 
 
 async def _prefill_with_retry(
-    up: Upstream, ctx: RequestContext, body: bytes, headers: dict[str, str]
+    up: Upstream, ctx: RequestContext, body: bytes, headers: dict[str, str],
+    avoid: list[Backend] | None = None,
 ) -> dict[str, Any]:
     """Pull-mode P leg; nothing has reached D or the client, so retry is safe."""
-    tried: list[Backend] = []
+    tried: list[Backend] = list(avoid or ())
+    first = len(tried)
     last: errors.ProxyError | None = None
     while True:
         slot = await up.admit(ctx, tried, last)
@@ -119,7 +127,7 @@ async def _prefill_with_retry(
         try:
             return await up.prefill_leg(ctx, prefill, body, headers)
         except errors.ProxyError as exc:
-            if not exc.retryable or len(tried) >= up.config.prefill_retries:
+            if not exc.retryable or len(tried) - first >= up.config.prefill_retries:
                 raise
             tried.append(prefill)
             last = exc

@@ -62,13 +62,20 @@ async def run_push(
     decode: Backend | None,
     prefix: tuple[int, ...] | None,
     turn: Turn | None = None,
+    avoid_p: list[Backend] | None = None,
+    avoid_d: list[Backend] | None = None,
 ) -> web.StreamResponse:
-    """Serve one request in push mode (see the module docstring)."""
+    """Serve one request in push mode (see the module docstring).
+
+    ``avoid_p``/``avoid_d``: engines an earlier attempt of this request
+    failed on (a migration); neither is chosen again.
+    """
     if decode is None and not up.decode.any_routable():
         # Not worth a place in the prefill queue: no D could take the KV.
-        raise errors.no_backend(up.decode.describe_unavailable())
-    tried_p: list[Backend] = []
-    tried_d: list[Backend] = []
+        raise errors.no_backend(up.decode.describe_unavailable(), "decode")
+    tried_p: list[Backend] = list(avoid_p or ())
+    tried_d: list[Backend] = list(avoid_d or ())
+    first_p, first_d = len(tried_p), len(tried_d)
     while True:
         # Admitted (a P slot held) before either leg goes out: a queued
         # request has nothing on D yet, so D holds blocks only for admitted ones.
@@ -86,7 +93,9 @@ async def run_push(
             # before D's first byte: both legs were cancelled, so send the
             # pair again, under a new pd_request_id, avoiding that engine.
             role = exc.backend.role if exc.backend is not None else ""
-            if not up.redispatch(ctx, exc, role, tried_p if role == "prefill" else tried_d):
+            tried = tried_p if role == "prefill" else tried_d
+            if not up.redispatch(ctx, exc, role, tried,
+                                 first_p if role == "prefill" else first_d):
                 raise
             if exc.backend is decode:
                 decode = None
@@ -120,7 +129,7 @@ async def _run_legs(
     d_leg = push_decode_params(identity, pd_id)
     # Always said, as in pull: D keeps the turn only for --multi-turn.
     d_leg["pd_bidirectional"] = ctx.capture_kv
-    d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body)))
+    d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body), ctx.decode_extra))
     # Both legs go out now: P pushes the KV while D is already waiting for it.
     p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
     answered = False
@@ -187,6 +196,7 @@ async def _prefill_leg(
 async def _pick_prefill(
     up: Upstream, ctx: RequestContext, tried: list[Backend]
 ) -> tuple[PrefillSlot, PrefillIdentity]:
+    first = len(tried)
     """A slot on a prefill engine whose identity is known; nothing is sent to D yet.
 
     ``tried``: engines this request already left (appended to here).
@@ -204,7 +214,7 @@ async def _pick_prefill(
         except ProbeError as exc:
             slot.release()
             last = errors.protocol_error("prefill", prefill, f"identity probe failed: {exc}")
-            if len(tried) >= up.config.prefill_retries:
+            if len(tried) - first >= up.config.prefill_retries:
                 raise last from None
             tried.append(prefill)
         except BaseException:

@@ -35,6 +35,7 @@ from . import errors
 from .backends import Backend
 from .context import RequestContext
 from .conversations import extract_kv_params
+from .stream_track import UpstreamError
 from .telemetry import annotate
 
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -111,6 +112,7 @@ async def open_decode(
     headers: dict[str, str],
     timeout: float,
     max_event_bytes: int,
+    endpoint: str | None = None,
 ) -> OpenedDecode:
     """Send the D leg; return once the first bytes of a 2xx answer arrived.
 
@@ -120,7 +122,8 @@ async def open_decode(
     """
     try:
         async with asyncio.timeout(timeout):
-            resp = await session.post(backend.url + ctx.endpoint, data=body, headers=headers)
+            url = backend.url + (endpoint or ctx.endpoint)
+            resp = await session.post(url, data=body, headers=headers)
             try:
                 if resp.status >= 400:
                     data = await resp.read()
@@ -156,6 +159,7 @@ async def open_decode_guarded(
     timeout: float,
     max_event_bytes: int,
     guard: asyncio.Future[Any],
+    endpoint: str | None = None,
 ) -> OpenedDecode:
     """:func:`open_decode`, abandoned if ``guard`` (the push P leg) fails first.
 
@@ -163,7 +167,7 @@ async def open_decode_guarded(
     D leg is cancelled, closing its connection so D frees what it reserved.
     """
     task = asyncio.ensure_future(
-        open_decode(session, ctx, backend, body, headers, timeout, max_event_bytes)
+        open_decode(session, ctx, backend, body, headers, timeout, max_event_bytes, endpoint)
     )
     try:
         done, _ = await asyncio.wait((task, guard), return_when=asyncio.FIRST_COMPLETED)
@@ -260,6 +264,34 @@ class ClientSink:
         await self.response.write_eof()
 
 
+class MidStreamFailure(Exception):
+    """D failed after the client's stream started (tracked streams only).
+
+    Raised by the D leg instead of ending the client's stream: the caller
+    either continues the request on another D (:mod:`vllm_pd_proxy.migration`)
+    or ends the stream with ``error``. ``since``: the loop time of the last
+    event D sent (where the client's wait began).
+    """
+
+    def __init__(self, error: errors.ProxyError, since: float) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.since = since
+
+
+def event_error(backend: Backend, sent: UpstreamError) -> errors.ProxyError:
+    """D's error event as a ProxyError (its code, 500 when it names none); a
+    stream it ends gets D's event verbatim."""
+    text = f"decode backend {backend.url} sent an error event: {sent.message}"
+    status = sent.status
+    err = errors.ProxyError(
+        status, text, err_type="upstream_error",
+        outcome=errors.Outcome.STREAM_ERROR if status >= 500 else errors.Outcome.UPSTREAM_4XX,
+        backend=backend, body=sent.raw or None)
+    err.event_data = sent.raw or None
+    return err
+
+
 async def relay_stream(
     sink: StreamSink,
     ctx: RequestContext,
@@ -267,22 +299,43 @@ async def relay_stream(
     opened: OpenedDecode,
     idle_timeout: float,
     max_event_bytes: int,
+    continuing: bool = False,
 ) -> tuple[web.StreamResponse, errors.ProxyError | None]:
     """Relay an opened SSE answer into ``sink``; returns the client's response
     and a mid-stream error.
+
+    With a tracker (``ctx.track``, ``--max-migrations`` > 0) the events pass
+    through it first: an error event D sends before anything reached the
+    client is raised as a ProxyError (the sink not started: the request can
+    go elsewhere), and a failure after that is returned without ending the
+    sink (the caller continues the stream or ends it). ``continuing``: a
+    continuation of a stream whose sink already started.
 
     A client disconnect shows up as CancelledError (handler cancellation) or,
     while writing, ConnectionResetError, recorded as outcome "cancelled".
     """
     resp = opened.resp
+    track = ctx.track
+    loop = asyncio.get_running_loop()
     error: errors.ProxyError | None = None
+    first = opened.first
+    if track is not None:
+        first, sent = track.feed(first)
+        if sent is not None:
+            error = event_error(backend, sent)
+            if not first and not continuing:
+                raise error
     try:
-        await sink.start(ctx, opened)
-        if opened.first:
-            await sink.write(ctx, opened.first)
-        ctx.ttft = asyncio.get_running_loop().time() - ctx.started
+        if not continuing:
+            await sink.start(ctx, opened)
+            ctx.stream_started = True
+        if first:
+            await sink.write(ctx, first)
+        ctx.progress = loop.time()
+        if not continuing:
+            ctx.ttft = ctx.progress - ctx.started
         pending, eof = opened.pending, opened.eof
-        while not eof:
+        while not eof and error is None:
             try:
                 async with asyncio.timeout(idle_timeout):
                     events, pending, eof = await read_events(resp, pending, max_event_bytes)
@@ -295,8 +348,19 @@ async def relay_stream(
             except TimeoutError:
                 error = errors.upstream_timeout("decode", backend, idle_timeout, "the next chunk")
                 break
+            if track is not None and events:
+                events, sent = track.feed(events)
+                if sent is not None:
+                    error = event_error(backend, sent)
             if events:
                 await sink.write(ctx, events)
+                ctx.progress = loop.time()
+        if error is None and track is not None and not track.done:
+            error = errors.protocol_error(
+                "decode", backend, "the stream ended without its last event (data: [DONE])")
+        if error is not None and track is not None:
+            assert sink.response is not None
+            return sink.response, error
         await sink.end(error)
     except ConnectionResetError:
         # The client went away while we were writing; the caller closes the

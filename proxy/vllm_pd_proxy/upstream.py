@@ -40,6 +40,7 @@ from .errors import Outcome
 from .health import HealthMonitor
 from .metrics import Metrics
 from .relay import (
+    MidStreamFailure,
     OpenedDecode,
     StreamSink,
     complete_response,
@@ -89,23 +90,25 @@ class Upstream:
         """A decode engine by the routing policy; 503 ``no_backend`` if none is routable."""
         decode = self.decode.pick(ctx.tokens, exclude or ())
         if decode is None:
-            raise errors.no_backend(self.decode.describe_unavailable())
+            raise errors.no_backend(self.decode.describe_unavailable(), "decode")
         return decode
 
     def redispatch(
-        self, ctx: RequestContext, exc: errors.ProxyError, role: str, tried: list[Backend]
+        self, ctx: RequestContext, exc: errors.ProxyError, role: str, tried: list[Backend],
+        avoided: int = 0,
     ) -> bool:
         """Whether a failed leg may go to another engine of ``role``; records it.
 
         Only when the engine certainly ran nothing of it: it said it is
         draining, or the connection failed before the request left. Bounded
-        by ``--prefill-retries`` per role and request.
+        by ``--prefill-retries`` per role and request (``avoided``: how many
+        of ``tried`` an earlier attempt put there, not counted).
         """
         backend = exc.backend
         if backend is None or backend.role != role:
             return False
         unsent = exc.outcome == Outcome.UPSTREAM_UNREACHABLE and exc.retryable
-        if not (exc.draining or unsent) or len(tried) >= self.config.prefill_retries:
+        if not (exc.draining or unsent) or len(tried) - avoided >= self.config.prefill_retries:
             return False
         if exc.draining:
             self.monitor.mark_draining(backend)
@@ -132,7 +135,7 @@ class Upstream:
         finally:
             ctx.queued += loop.time() - started
         if slot is None:
-            raise last or errors.no_backend(self.prefill.describe_unavailable())
+            raise last or errors.no_backend(self.prefill.describe_unavailable(), "prefill")
         return slot
 
     async def prefill_leg(
@@ -186,6 +189,8 @@ class Upstream:
         prefix: tuple[int, ...] | None,
         guard: asyncio.Future[Any] | None = None,
         exclude: list[Backend] | None = None,
+        endpoint: str | None = None,
+        continuing: bool = False,
     ) -> web.StreamResponse:
         """Run the D leg and relay it; ``guard`` is a concurrent push P leg.
 
@@ -194,7 +199,12 @@ class Upstream:
 
         ``decode``: the D chosen beforehand (None: one is picked now, not in
         ``exclude``); ``prefix``: the prompt's chunk keys, remembered as
-        cached on D once D answers.
+        cached on D once D answers; ``endpoint``: where the leg goes (default
+        the client's); ``continuing``: a migration's continuation of a stream
+        already started (:mod:`vllm_pd_proxy.migration`).
+
+        Raises :class:`~vllm_pd_proxy.relay.MidStreamFailure` when a tracked
+        stream (``ctx.track``) fails after it started.
         """
         decode = decode or self.pick_decode(ctx, exclude)
         ctx.decode = decode
@@ -210,7 +220,8 @@ class Upstream:
         try:
             if guard is None:
                 opened = await open_decode(
-                    self._session, ctx, decode, body, headers, config.decode_timeout, max_event
+                    self._session, ctx, decode, body, headers, config.decode_timeout, max_event,
+                    endpoint,
                 )
             else:
                 opened = await open_decode_guarded(
@@ -230,13 +241,19 @@ class Upstream:
                 decode.prefixes.add(prefix)
             if not opened.sse:
                 ctx.ttft = loop.time() - ctx.started
+                if ctx.migration is not None:
+                    ctx.migration.resumed(loop.time())
                 return complete_response(ctx, opened)
+            if ctx.migration is not None:
+                ctx.migration.resumed(loop.time())
             out, error = await relay_stream(
-                sink, ctx, decode, opened, config.stream_idle_timeout, max_event
+                sink, ctx, decode, opened, config.stream_idle_timeout, max_event, continuing
             )
             if error is not None:
                 ctx.outcome, ctx.error = Outcome.STREAM_ERROR, error.message
                 self.monitor.check_soon(decode)
+                if ctx.track is not None:
+                    raise MidStreamFailure(error, ctx.progress)
             return out
         except errors.ProxyError as exc:
             # (A push P-leg error also ends up here; D is not at fault then.)

@@ -43,6 +43,9 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]
         # The tests' prompts are short: disaggregate them unless a test sets
         # a threshold (the proxy's default prefills short prompts on D).
         kwargs.setdefault("local_prefill_threshold", 0)
+        # The tests of one leg's failure see it reach the client, as with
+        # --max-migrations 0; test_migration.py runs the default (2).
+        kwargs.setdefault("max_migrations", 0)
         config = ProxyConfig(
             prefill=tuple(e.url for e in prefill),
             decode=tuple(e.url for e in decode),

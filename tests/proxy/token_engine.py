@@ -1,0 +1,173 @@
+"""A fake engine that generates deterministic tokens as vLLM streams them.
+
+The override for :class:`pdproxy_helpers.FakeEngine` used by the migration
+tests: the next token is a function of every token before it (prompt and
+generated), so a continuation from the prompt's ids plus the tokens already
+sent yields exactly the tokens of an uninterrupted run, as greedy decoding
+on a real engine does. It speaks vLLM's streaming format for completions and
+chat, with ``return_token_ids`` (``prompt_token_ids`` on the first chunk,
+``token_ids`` on every chunk), ``max_tokens``, ``stream_options``
+usage and ``finish_reason`` ``length``. ``Faults`` makes it fail a leg.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from pdproxy_helpers import FakeEngine
+
+
+def tokenize(path: str, body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if path.endswith("/chat/completions"):
+        text = "|".join(str(m.get("content")) for m in body.get("messages", []))
+        return [1, *(ord(c) % 500 + 10 for c in text), 2]
+    return [ord(c) % 500 + 10 for c in str(prompt)]
+
+
+def next_token(ids: list[int]) -> int:
+    return (sum(ids[-3:]) * 31 + len(ids)) % 997 + 3
+
+
+def text_of(token: int) -> str:
+    return f"t{token} "
+
+
+def generate(prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        tok = next_token(ids)
+        ids.append(tok)
+        out.append(tok)
+    return out
+
+
+@dataclass
+class Faults:
+    """How the engine fails its next legs (each field counts down per leg)."""
+
+    #: die (close the connection) after this many tokens of a stream
+    die_after: int | None = None
+    #: send an error event after this many tokens
+    error_after: int | None = None
+    #: stop sending (stall) after this many tokens
+    stall_after: int | None = None
+    #: answer every leg with this status before any byte
+    status: int | None = None
+    #: how many legs fail this way (None: all)
+    times: int | None = None
+
+
+def _chunk(chat: bool, rid: str, text: str, ids: list[int] | None, finish: str | None,
+           prompt_ids: list[int] | None, first: bool) -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if first:
+            delta = {"role": "assistant", "content": ""}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish, "token_ids": ids}
+        if finish is not None:
+            choice["stop_reason"] = None
+        out = {"id": rid, "object": "chat.completion.chunk", "created": 7, "model": "m",
+               "choices": [choice]}
+        if first:
+            out["prompt_token_ids"] = prompt_ids
+        return out
+    return {"id": rid, "object": "text_completion", "created": 7, "model": "m",
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
+                         "stop_reason": None, "prompt_token_ids": prompt_ids,
+                         "token_ids": ids}]}
+
+
+class TokenEngine:
+    """The override: ``await engines("decode", override=TokenEngine())``."""
+
+    def __init__(self, faults: Faults | None = None, delay: float = 0.0,
+                 kv_params: dict[str, Any] | None = None) -> None:
+        self.faults = faults or Faults()
+        self.delay = delay
+        self.kv_params = kv_params
+        self.legs = 0
+        self.bodies: list[dict[str, Any]] = []
+
+    def _fault(self) -> Faults | None:
+        f = self.faults
+        if f.times is not None and f.times <= 0:
+            return None
+        if f.times is not None:
+            f.times -= 1
+        return f
+
+    async def __call__(self, engine: FakeEngine, request: web.Request,
+                       body: dict[str, Any]) -> web.StreamResponse:
+        self.legs += 1
+        self.bodies.append(body)
+        fault = self._fault()
+        if fault is not None and fault.status is not None:
+            return web.json_response({"error": {"message": "fake failure",
+                                                "code": fault.status}}, status=fault.status)
+        chat = request.path.endswith("/chat/completions")
+        prompt = tokenize(request.path, body)
+        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        tokens = generate(prompt, limit)
+        with_ids = bool(body.get("return_token_ids"))
+        rid = f"cmpl-{engine.engine_id}-{self.legs}"
+        if engine.role == "prefill":
+            answer = {"id": rid, "object": "text_completion", "model": "m",
+                      "choices": [{"index": 0, "text": text_of(tokens[0]),
+                                   "finish_reason": "length"}]}
+            if engine.kv_params is not None:
+                answer["kv_transfer_params"] = engine.kv_params
+            return web.json_response(answer)
+        if not body.get("stream"):
+            text = "".join(text_of(t) for t in tokens)
+            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant",
+                                                               "content": text}}
+                                      if chat else {"index": 0, "text": text})
+            choice["finish_reason"] = "length"
+            return web.json_response({"id": rid, "object": "x", "model": "m",
+                                      "choices": [choice],
+                                      "usage": {"prompt_tokens": len(prompt),
+                                                "completion_tokens": len(tokens),
+                                                "total_tokens": len(prompt) + len(tokens)}})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+
+        async def send(obj: dict[str, Any]) -> None:
+            await out.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        if chat:
+            await send(_chunk(True, rid, "", None, None, prompt if with_ids else None, True))
+        for i, tok in enumerate(tokens):
+            if fault is not None and fault.die_after == i:
+                assert request.transport is not None
+                request.transport.close()
+                return out
+            if fault is not None and fault.error_after == i:
+                await send({"error": {"message": "engine died", "type": "InternalServerError",
+                                      "code": 500}})
+                await out.write(b"data: [DONE]\n\n")
+                return out
+            if fault is not None and fault.stall_after == i:
+                await asyncio.sleep(3600)
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            finish = "length" if i == len(tokens) - 1 else None
+            await send(_chunk(chat, rid, text_of(tok), [tok] if with_ids else None, finish,
+                              prompt if with_ids and i == 0 and not chat else None, False))
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            await send({"id": rid, "object": "chat.completion.chunk" if chat
+                        else "text_completion", "created": 7, "model": "m", "choices": [],
+                        "usage": {"prompt_tokens": len(prompt),
+                                  "completion_tokens": len(tokens),
+                                  "total_tokens": len(prompt) + len(tokens)}})
+        await out.write(b"data: [DONE]\n\n")
+        return out
