@@ -195,11 +195,10 @@ def upstream_unreachable(leg: str, backend: Backend, exc: BaseException) -> Prox
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     before = failed_before_send(exc)
     message = f"{leg} backend {backend.url} failed: {detail}"
-    if leg == "prefill" and not before:  # D legs are never retried anyway
-        message += (
-            " (after the request was sent, so the engine may have run it; "
-            "not retried on another engine)"
-        )
+    if leg == "prefill" and not before:
+        # Not re-sent as it is (--prefill-retries): the engine may hold its
+        # KV under a lease. A migration runs a new handoff instead.
+        message += " (after the request was sent, so the engine may have run it)"
     return ProxyError(
         502,
         message,

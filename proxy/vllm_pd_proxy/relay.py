@@ -305,9 +305,9 @@ async def relay_stream(
     and a mid-stream error.
 
     With a tracker (``ctx.track``, ``--max-migrations`` > 0) the events pass
-    through it first: an error event D sends before anything reached the
-    client is raised as a ProxyError (the sink not started: the request can
-    go elsewhere), and a failure after that is returned without ending the
+    through it first: an engine's error event (5xx) D sends before anything
+    reached the client is raised as a ProxyError (the sink not started: the
+    request can go elsewhere), and a failure after that is returned without ending the
     sink (the caller continues the stream or ends it). ``continuing``: a
     continuation of a stream whose sink already started.
 
@@ -323,7 +323,8 @@ async def relay_stream(
         first, sent = track.feed(first)
         if sent is not None:
             error = event_error(backend, sent)
-            if not first and not continuing:
+            if not first and not continuing and sent.status >= 500:
+                # Nothing reached the client: the request may still go elsewhere.
                 raise error
     try:
         if not continuing:

@@ -214,10 +214,10 @@ def test_d_killed_mid_stream_the_stream_continues_on_the_other_d(
                    args=["--routing", "round-robin"]).start()
         try:
             px.wait_ready()
-            body = completion_body(model, token_prompt(150, seed=28), max_tokens=200,
-                                   stream=True, stream_options={"include_usage": True})
-            _, want = ref.post("/v1/completions", completion_body(
-                model, token_prompt(150, seed=28), max_tokens=200))
+            prompt = token_prompt(150, seed=28)
+            body = completion_body(model, prompt, max_tokens=200, stream=True,
+                                   stream_options={"include_usage": True})
+            _, want = ref.post("/v1/completions", completion_body(model, prompt, max_tokens=200))
             assert len(want["choices"][0]["token_ids"]) == 200, want
             events = _stream_killing(px.url + "/v1/completions", body, victim, after=20)
             assert events[-1] == "[DONE]"
