@@ -57,6 +57,7 @@ from .metrics import Metrics
 from .migration import (
     CONTINUATION_ENDPOINT,
     Cause,
+    Ending,
     Migration,
     continuation_body,
     engine_failure,
@@ -247,11 +248,20 @@ class Forwarder:
             return await self._run_flow(
                 sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
         mig = self._migration(ctx, body)
+        ending = Ending.FAILED
         try:
-            return await self._serve_migrating(
+            out = await self._serve_migrating(
                 sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
+            if ctx.outcome == Outcome.CANCELLED:
+                ending = Ending.CANCELLED
+            elif ctx.outcome == Outcome.OK and out.status < 400:
+                ending = Ending.OK
+            return out
+        except asyncio.CancelledError:
+            ending = Ending.CANCELLED
+            raise
         finally:
-            self._record_migrations(ctx, mig)
+            self._record_migrations(mig, ending)
 
     def _migration(self, ctx: RequestContext, body: dict[str, Any]) -> Migration:
         """The prompt's migration state and, for a stream, its tracker."""
@@ -381,18 +391,15 @@ class Forwarder:
         assert sink.response is not None
         return sink.response
 
-    def _record_migrations(self, ctx: RequestContext, mig: Migration) -> None:
+    def _record_migrations(self, mig: Migration, ending: Ending) -> None:
         """The prompt's migrations into the metrics: each by cause and how the
         request ended; a failure that could not migrate, once."""
         metrics = self._metrics
-        ok = ctx.outcome == errors.Outcome.OK and (ctx.status or 200) < 400
-        if mig.causes:
-            ending = mig.ending(ok)
-            for cause in mig.causes:
-                metrics.migrations.labels(cause, ending).inc()
-            if ok:
-                metrics.migration_added.observe(mig.added)
-        if mig.refused is not None and not ok:
+        for cause in mig.causes:
+            metrics.migrations.labels(cause, ending).inc()
+        if mig.causes and ending is Ending.OK:
+            metrics.migration_added.observe(mig.added)
+        if mig.refused is not None and ending is not Ending.OK:
             metrics.migrations.labels(mig.refused_cause, mig.refused).inc()
 
     def _decide(

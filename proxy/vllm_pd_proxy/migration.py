@@ -58,6 +58,8 @@ class Ending(enum.StrEnum):
     EXHAUSTED = "exhausted"
     #: It could not migrate: a feature a continuation cannot reproduce.
     UNSUPPORTED = "unsupported"
+    #: It migrated and the client went away before the end.
+    CANCELLED = "cancelled"
 
 
 # Engine failures another engine may not repeat; everything else is the
@@ -202,6 +204,3 @@ class Migration:
         if self.gap_from is not None:
             self.added += max(now - self.gap_from, 0.0)
             self.gap_from = None
-
-    def ending(self, ok: bool) -> Ending:
-        return Ending.OK if ok else Ending.FAILED

@@ -255,3 +255,15 @@ async def test_client_gone_mid_stream_is_not_migrated(engines, proxy):
     await asyncio.sleep(0.1)
     assert d1.override.legs == 0  # type: ignore[union-attr]
     assert migrations(client) == {}
+
+
+async def test_every_d_failing_ends_in_the_last_error_after_the_budget(engines, proxy):
+    (p,), ds, client = await pd(engines, proxy, [Faults(status=500)] * 2, routing="round-robin")
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True}
+    resp = await client.post("/v1/completions", json=body)
+    assert resp.status == 500
+    assert "fake failure" in (await resp.json())["error"]["message"]
+    assert p.override.legs == 3  # type: ignore[union-attr]
+    assert sum(d.override.legs for d in ds) == 3  # type: ignore[union-attr]
+    assert migrations(client) == {("decode_failed", "failed"): 2,
+                                  ("decode_failed", "exhausted"): 1}
