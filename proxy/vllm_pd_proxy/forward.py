@@ -47,28 +47,18 @@ from .batch import split_prompts
 from .batch_flow import Member, run_batch
 from .body import BodyBudget, check_responses, num_choices, parse_body, read_body
 from .config import ProxyConfig, TransferMode
-from .context import RequestContext, log_safe, member_request_id, sanitize_request_id
+from .context import RequestContext, member_request_id, sanitize_request_id
 from .conversations import Turn, conversation_key
 from .decision import ALWAYS_REMOTE, PROMPT_PASS, Decision, decide, needs_prompt_pass
 from .errors import Outcome
+from .failover import Failover, Plan
 from .health import HealthMonitor
 from .legs import decode_body
 from .metrics import Metrics
-from .migration import (
-    CONTINUATION_ENDPOINT,
-    Cause,
-    Ending,
-    Migration,
-    continuation_body,
-    engine_failure,
-    mid_stream_unsupported,
-    no_prefill_left,
-)
 from .prompt import inspect_prompt, responses_as_chat
 from .pull import run_pull
 from .push import run_push
-from .relay import ClientSink, MidStreamFailure, StreamSink
-from .stream_track import StreamTracker
+from .relay import ClientSink, StreamSink
 from .telemetry import LegMarks, SpanExporter
 from .upstream import Upstream
 
@@ -101,6 +91,8 @@ class Forwarder:
         self._affinity = Affinity(config, decode, metrics)
         # The chunk keys only matter to conditional disaggregation.
         self._chunks = config.prefix_chunk_tokens if config.local_prefill_threshold else None
+        self._failover = (Failover(config, self._up, metrics, self._run_flow)
+                          if config.max_migrations > 0 else None)
 
     async def handle(self, request: web.Request, chat: bool, responses: bool = False
                      ) -> web.StreamResponse:
@@ -244,163 +236,10 @@ class Forwarder:
         else:
             decision, decode, prefix = self._decide(ctx, affine, turn is not None)
         self._metrics.decisions.labels(decision.label, decision.reason).inc()
-        if self._config.max_migrations <= 0:
-            return await self._run_flow(
-                sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
-        mig = self._migration(ctx, body)
-        ending = Ending.FAILED
-        try:
-            out = await self._serve_migrating(
-                sink, ctx, body, headers, decision.is_local, decode, prefix, turn)
-            if ctx.outcome == Outcome.CANCELLED:
-                ending = Ending.CANCELLED
-            elif ctx.outcome == Outcome.OK and out.status < 400:
-                ending = Ending.OK
-            return out
-        except asyncio.CancelledError:
-            ending = Ending.CANCELLED
-            raise
-        finally:
-            self._record_migrations(mig, ending)
-
-    def _migration(self, ctx: RequestContext, body: dict[str, Any]) -> Migration:
-        """The prompt's migration state and, for a stream, its tracker."""
-        config = self._config
-        deadline = ctx.started + config.request_deadline if config.request_deadline else None
-        mig = ctx.migration = Migration(config.max_migrations, deadline)
-        if ctx.stream and not ctx.responses:
-            # The Responses API's events are no completion chunks: its
-            # streams fail over before their first byte only.
-            unsupported = mid_stream_unsupported(body, ctx.chat)
-            track_ids = unsupported is None
-            wants_ids = bool(body.get("return_token_ids"))
-            if track_ids and not wants_ids:
-                ctx.decode_extra = {"return_token_ids": True}
-            ctx.track = StreamTracker(ctx.chat, blank_ids=track_ids and not wants_ids,
-                                      track_ids=track_ids)
-            ctx.unsupported = unsupported
-        return mig
-
-    async def _serve_migrating(
-        self,
-        sink: StreamSink,
-        ctx: RequestContext,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        local: bool,
-        decode: Backend | None,
-        prefix: tuple[int, ...] | None,
-        turn: Turn | None,
-    ) -> web.StreamResponse:
-        """The flow, again elsewhere after an engine failure the client has not
-        seen (:mod:`vllm_pd_proxy.migration`); a stream that fails after it
-        started goes on as a continuation (:meth:`_continue`)."""
-        mig = ctx.migration
-        assert mig is not None
-        loop = asyncio.get_running_loop()
-        avoid_p: list[Backend] = []
-        avoid_d: list[Backend] = []
-        while True:
-            attempt_started = loop.time()
-            try:
-                return await self._run_flow(sink, ctx, body, headers, local, decode, prefix,
-                                            turn, avoid_p, avoid_d)
-            except MidStreamFailure as failure:
-                return await self._continue(sink, ctx, body, headers, failure, avoid_d)
-            except errors.ProxyError as exc:
-                cause = _before_first_byte_cause(exc)
-                if cause is None or ctx.stream_started:
-                    raise
-                if not mig.allow(cause, loop.time(), attempt_started):
-                    raise
-                if cause is Cause.NO_PREFILL:
-                    local = True
-                elif exc.backend is not None:
-                    avoid = avoid_p if exc.backend.role == "prefill" else avoid_d
-                    if exc.backend not in avoid:
-                        avoid.append(exc.backend)
-                if len(avoid_d) >= len(self._up.decode.backends):
-                    avoid_d.clear()  # every D failed once: any may serve again
-                logger.warning("request %s: %s; migrating (%s, %d of %d)", ctx.request_id,
-                               log_safe(exc.message), cause, len(mig.causes), mig.limit)
-                # Again from scratch: a fresh P leg (a new lease) unless no P is
-                # left, another D; a kept turn is not read back a second time.
-                decode, prefix, turn = None, None, None
-
-    async def _continue(
-        self,
-        sink: StreamSink,
-        ctx: RequestContext,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        failure: MidStreamFailure,
-        avoid_d: list[Backend],
-    ) -> web.StreamResponse:
-        """A stream that failed after it started: continued on another D from the
-        token ids the client has, or ended with the error event."""
-        mig, track = ctx.migration, ctx.track
-        assert mig is not None and track is not None
-        loop = asyncio.get_running_loop()
-        error, since = failure.error, failure.since
-        ctx.capture_kv = False  # the turn D would keep is gone with that D
-        while True:
-            if ctx.decode is not None and ctx.decode not in avoid_d:
-                avoid_d.append(ctx.decode)
-            if len(avoid_d) >= len(self._up.decode.backends):
-                avoid_d.clear()
-            if not engine_failure(error) or not track.can_continue:
-                if ctx.unsupported is not None and engine_failure(error):
-                    mig.refuse_unsupported(Cause.MID_STREAM)
-                    logger.warning("request %s: not continued on another decode engine: %s "
-                                   "is not supported mid-stream", ctx.request_id,
-                                   ctx.unsupported)
-                return await self._end_stream(sink, ctx, error)
-            if not mig.allow(Cause.MID_STREAM, loop.time(), since):
-                return await self._end_stream(sink, ctx, error)
-            assert track.prompt_ids is not None
-            cont = continuation_body(body, track.prompt_ids, track.sent_ids, ctx.chat)
-            track.begin_continuation()
-            logger.warning("request %s: %s after %d tokens; continuing on another decode "
-                           "engine (%d of %d)", ctx.request_id, log_safe(error.message),
-                           len(track.sent_ids), len(mig.causes), mig.limit)
-            if cont is None:  # every token was sent, only the finish was lost
-                await sink.write(ctx, track.finish_length(_include_usage(body)))
-                mig.resumed(loop.time())
-                await sink.end(None)
-                ctx.outcome, ctx.error = errors.Outcome.OK, None
-                assert sink.response is not None
-                return sink.response
-            ctx.outcome, ctx.error = errors.Outcome.OK, None
-            try:
-                return await self._up.decode_leg(
-                    sink, ctx, None, _encode(cont), headers, None, exclude=avoid_d,
-                    endpoint=CONTINUATION_ENDPOINT, continuing=True)
-            except MidStreamFailure as again:
-                error, since = again.error, again.since
-            except errors.ProxyError as exc:  # the continuation failed before its first byte
-                error, since = exc, loop.time()
-
-    async def _end_stream(self, sink: StreamSink, ctx: RequestContext,
-                          error: errors.ProxyError) -> web.StreamResponse:
-        """End a started stream with ``error`` as an error event, as before migration."""
-        ctx.outcome, ctx.error = errors.Outcome.STREAM_ERROR, error.message
-        try:
-            await sink.end(error)
-        except ConnectionResetError:
-            ctx.status, ctx.outcome = 499, errors.Outcome.CANCELLED
-        assert sink.response is not None
-        return sink.response
-
-    def _record_migrations(self, mig: Migration, ending: Ending) -> None:
-        """The prompt's migrations into the metrics: each by cause and how the
-        request ended; a failure that could not migrate, once."""
-        metrics = self._metrics
-        for cause in mig.causes:
-            metrics.migrations.labels(cause, ending).inc()
-        if mig.causes and ending is Ending.OK:
-            metrics.migration_added.observe(mig.added)
-        if mig.refused is not None and ending is not Ending.OK:
-            metrics.migrations.labels(mig.refused_cause, mig.refused).inc()
+        plan = Plan(decision.is_local, decode, prefix, turn)
+        if self._failover is None:
+            return await self._run_flow(sink, ctx, body, headers, plan)
+        return await self._failover.serve(sink, ctx, body, headers, plan)
 
     def _decide(
         self, ctx: RequestContext, affine: Backend | None, has_turn: bool
@@ -435,14 +274,12 @@ class Forwarder:
         ctx: RequestContext,
         body: dict[str, Any],
         headers: dict[str, str],
-        local: bool,
-        decode: Backend | None,
-        prefix: tuple[int, ...] | None,
-        turn: Turn | None,
+        plan: Plan,
         avoid_p: list[Backend] | None = None,
         avoid_d: list[Backend] | None = None,
     ) -> web.StreamResponse:
-        if local:
+        decode, prefix, turn = plan.decode, plan.prefix, plan.turn
+        if plan.local:
             # The local flow is one D leg: D prefills the prompt itself.
             ctx.mode = "local"
             up = self._up
@@ -457,17 +294,3 @@ class Forwarder:
         ctx.mode = "pull"
         return await run_pull(self._up, self._affinity, sink, ctx, body, headers, decode,
                               prefix, turn, avoid_p, avoid_d)
-
-
-def _before_first_byte_cause(exc: errors.ProxyError) -> Cause | None:
-    """Why a failure the client has not seen may migrate (None: it may not)."""
-    if no_prefill_left(exc):
-        return Cause.NO_PREFILL
-    if not engine_failure(exc):
-        return None
-    return Cause.PREFILL if exc.role == "prefill" else Cause.DECODE
-
-
-def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))

@@ -94,6 +94,7 @@ _MID_STREAM_UNSUPPORTED: tuple[tuple[str, str], ...] = (
     ("guided_grammar", "structured output (the grammar cannot resume mid-answer)"),
     ("tools", "tool calls (the tool parser cannot resume mid-answer)"),
     ("bad_words", "bad_words"),
+    ("prompt_embeds", "prompt_embeds (the prompt has no token ids to continue from)"),
     ("logit_bias", "logit_bias"),
 )
 
@@ -137,7 +138,9 @@ def continuation_body(body: dict[str, Any], prompt_ids: list[int], sent_ids: lis
             "continue_final_message", "documents", "tools", "tool_choice",
             "parallel_tool_calls", "reasoning_effort", "include_reasoning",
             "logprobs", "top_logprobs", "prompt_logprobs", "conversation_id",
-            "mm_processor_kwargs", "media_io_kwargs"}
+            "mm_processor_kwargs", "media_io_kwargs", "prompt_embeds",
+            # The ids are the prompt as the first D saw it, truncated already.
+            "truncate_prompt_tokens"}
     for key, value in body.items():
         if key not in drop:
             out[key] = value

@@ -491,9 +491,25 @@ class Soak:
                                      0.0)}
             except Exception:
                 moved[d.name] = {"kv_bytes": 0.0, "external_tokens": 0.0}
-        return {"held": held, "moved": moved,
+        return {"held": held, "moved": moved, "migrations": self._migrations(),
                 "alive": {e.name: e.alive() for e in self.cluster.engines},
                 "resources": {e.name: resources(e) for e in self.cluster.engines}}
+
+
+    def _migrations(self) -> dict[str, float]:
+        """The proxy's migration series (pd_proxy_migration*), for the report."""
+        try:
+            with urllib.request.urlopen(self.cluster.proxy.url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("pd_proxy_migration") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                with contextlib.suppress(ValueError):
+                    out[name] = float(value)
+        return out
 
 
 def fault_kinds(cfg: SoakConfig) -> tuple[FaultKind, ...]:
