@@ -322,6 +322,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         targets = [Target("direct", d_url, args.stream, p_base=p_url)]
         await wait_ready(f"http://{HOST}:{ours_port}/health")
         targets.append(Target("ours", f"http://{HOST}:{ours_port}", args.stream))
+        if args.compare_migration:
+            # The same proxy without request migration: no stream tracking
+            # (no per-event parse of D's answer), the cost of migration.
+            m0_port = free_port()
+            procs.append(start(
+                [sys.executable, "-m", "vllm_pd_proxy.cli", "--host", HOST, "--port",
+                 str(m0_port), "--prefill", p_url, "--decode", d_url,
+                 "--local-prefill-threshold", "0", "--log-level", args.proxy_log_level,
+                 "--max-migrations", "0"],
+                logdir / "ours_m0.log"))
+            await wait_ready(f"http://{HOST}:{m0_port}/health")
+            targets.append(Target("ours_m0", f"http://{HOST}:{m0_port}", args.stream))
         if args.toy_proxy:
             procs.append(
                 start(
@@ -380,6 +392,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{name:8} {r['p50_ms']:8.3f} {r['p90_ms']:8.3f} {r['p99_ms']:8.3f} "
             f"{added50:10.3f} {added99:10.3f} {r['rps']:8.0f}"
         )
+    if "ours_m0" in results:
+        ours, m0 = results["ours"], results["ours_m0"]
+        print(f"\nmigration on vs off: added p50 {ours['p50_ms'] - m0['p50_ms']:+.3f} ms, "
+              f"req/s {ours['rps'] / m0['rps']:.2f}x")
     if "toy" in results:
         ours, toy = results["ours"], results["toy"]
         print(
@@ -413,6 +429,8 @@ def main() -> None:
         default="info",
         help="our proxy's --log-level (info = access log on, like uvicorn's)",
     )
+    ap.add_argument("--compare-migration", action="store_true",
+                    help="also run our proxy with --max-migrations 0 (ours_m0)")
     ap.add_argument("--log-dir", default="/tmp/bench_proxy_logs")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     args = ap.parse_args()

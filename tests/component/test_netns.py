@@ -84,6 +84,12 @@ def test_partition_cuts_one_host_and_heals() -> None:
             b.set_link(False)
             assert not b.link_up()
             assert _connect(a.wrap([]), b.addr, port, timeout=1.0) != "ping"
+            # From the root (the proxy's side), a partitioned host's address
+            # goes nowhere: the blackhole, not the default route off the machine.
+            # (`ip route get` refuses a blackholed address: no device, no gateway.)
+            via = subprocess.run(["ip", "route", "get", b.addr], capture_output=True,
+                                 text=True)
+            assert via.returncode != 0 and " dev " not in via.stdout, via.stdout
             b.set_link(True)
             assert b.link_up()
             assert _connect(a.wrap([]), b.addr, port, timeout=5.0) == "ping"
@@ -112,6 +118,10 @@ def test_remove_stale_deletes_only_what_a_dead_run_left() -> None:
         assert stale in _ours()[0]
         removed = netns.remove_stale()
         assert stale in removed
+        # Its blackhole route too (the one for this run's own /24 stays).
+        routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+        assert f"blackhole {mine.blackhole}" in routes
+        assert [r for r in removed if r.startswith("169.254.")], removed
         spaces, links = _ours()
         assert stale not in spaces and stale + "r" not in links
         assert mine.hosts[0].netns in spaces  # ours (a live PID) stays

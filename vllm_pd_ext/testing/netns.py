@@ -25,7 +25,10 @@ shim for that (``ucx_linklocal.c``, built here with the system C compiler;
 the source tree only, beside this module: it is not package data, so a
 wheel install of the package has no multi-host engines, and says so.
 A partition is ``Host.set_link(False)``: the root side of the veth goes down
-(the kernel has no netem here, so no delay or loss).
+(the kernel has no netem here, so no delay or loss). The root namespace
+holds a blackhole route for the topology's /24 (less specific than each
+host's /30), so traffic for a partitioned host is dropped here; without it
+the root namespace's default route would carry it off the machine.
 """
 
 from __future__ import annotations
@@ -199,11 +202,18 @@ class Topology:
         self.subnet = subnet if subnet is not None else _free_subnet()
         self.hosts: list[Host] = []
         self._forwarding: dict[str, str] = {}
+        self.blackhole = f"169.254.{self.subnet}.0/24"
+        self._blackholed = False
 
     def __enter__(self) -> Topology:
         try:
             for i in range(self.n):
                 self._add(i)
+            # A partition removes a host's /30 route: its packets then end in
+            # this blackhole, never on the default route (the machine's
+            # external interface).
+            _ip("route", "add", "blackhole", self.blackhole)
+            self._blackholed = True
         except BaseException:
             self.close()
             raise
@@ -233,6 +243,9 @@ class Topology:
 
     def close(self) -> None:
         """Delete every link and namespace this topology made (idempotent)."""
+        if self._blackholed:
+            _ip("route", "del", "blackhole", self.blackhole, check=False)
+            self._blackholed = False
         for host in self.hosts:
             _ip("link", "del", host.veth_root, check=False)
             _ip("netns", "del", host.netns, check=False)
@@ -269,6 +282,13 @@ def remove_stale() -> list[str]:
         _ip("link", "del", name + "r", check=False)
         _ip("netns", "del", name, check=False)
         removed.append(name)
+    # A dead run's blackhole: a topology /24 no address uses any more.
+    addrs = _ip("-4", "addr", check=False).stdout
+    for net in re.findall(r"blackhole (169\.254\.\d+\.0/24)",
+                          _ip("-4", "route", check=False).stdout):
+        if net.rsplit(".", 1)[0] + "." not in addrs:
+            _ip("route", "del", "blackhole", net, check=False)
+            removed.append(net)
     return removed
 
 
