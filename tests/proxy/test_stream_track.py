@@ -158,8 +158,8 @@ def test_finish_length_ends_a_stream_whose_finish_was_lost() -> None:
 
 def test_continuation_body_from_token_ids() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "min_tokens": 4, "temperature": 0,
-            "truncate_prompt_tokens": 100, "stream": True, "stream_options": {"include_usage": True}, "seed": 3,
-            "logprobs": 2, "echo": False}
+            "truncate_prompt_tokens": 100, "stream": True,
+            "stream_options": {"include_usage": True}, "seed": 3, "logprobs": 2, "echo": False}
     cont = continuation_body(body, [1, 2], [7, 8, 9], chat=False)
     assert cont == {"model": "m", "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}, "seed": 3, "max_tokens": 7,
