@@ -110,6 +110,10 @@ class ProxyError(Exception):
         self.role = role if role is not None else (backend.role if backend else None)
         # An error event a backend sent, relayed as it is when it ends a stream.
         self.event_data: bytes | None = None
+        # Push: the leg failed only because the backend's identity changed
+        # (restarted at its URL) and is refreshed now: it is not a sick
+        # engine, and the same one may serve the prompt again.
+        self.stale_identity = False
 
     def response(self, request_id: str) -> web.Response:
         # Content-Type as a header: a backend's may carry a charset parameter.

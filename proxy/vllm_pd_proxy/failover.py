@@ -142,7 +142,9 @@ class Failover:
                     raise
                 if cause is Cause.NO_PREFILL:
                     plan.local = True
-                elif exc.backend is not None:
+                elif exc.backend is not None and not exc.stale_identity:
+                    # (A P that only restarted, whose new identity is known
+                    # now, stays a candidate: it is not the sick engine.)
                     avoid = avoid_p if exc.backend.role == "prefill" else avoid_d
                     if exc.backend not in avoid:
                         avoid.append(exc.backend)

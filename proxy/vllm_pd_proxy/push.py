@@ -143,7 +143,9 @@ async def _run_legs(
             # D failed while P was still prefilling. A P restarted at the
             # same URL refuses D's registration (stale engine id) at once,
             # so this is how a restart often shows first; P's answer, which
-            # would name its new identity, is about to be cancelled.
+            # would name its new identity, is about to be cancelled: forget
+            # the identity, so that the next dispatch to P probes it first.
+            prefill.identity = None
             up.monitor.check_soon(prefill, reprobe=True)
         raise
     finally:
@@ -183,13 +185,15 @@ async def _prefill_leg(
     params = answer.get("kv_transfer_params")
     changed = up.monitor.check_answer_identity(prefill, identity, params)
     if changed is not None:
-        raise errors.protocol_error(
+        exc = errors.protocol_error(
             "prefill",
             prefill,
             f"engine identity changed since it was probed: {changed}; the KV cannot "
-            "reach the decode engine, request not retried (the identity is refreshed, "
-            "a new request uses it)",
+            "reach the decode engine (the identity is refreshed: a migration or a new "
+            "request uses it)",
         )
+        exc.stale_identity = True
+        raise exc
     return answer
 
 

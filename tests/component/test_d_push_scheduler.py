@@ -342,3 +342,42 @@ def test_abort_status_decoded_from_the_wire(consumer):
     wire = proto.encode(proto.PushAbortStatus(AbortState.ABORTED))
     aborts(consumer)[-1].callback(proto.decode_reply(wire))
     assert consumer.poll() == {"d-req": ("aborted", "client went away")}
+
+
+def test_lease_expired_on_p_aborts_an_unconfirmed_wait_at_once(consumer, clock):
+    """P was unreachable while D registered; once reachable it answers D's
+    heartbeat "lease expired": D aborts now (and fails the load once P
+    confirms no WRITE comes) instead of waiting out push_timeout."""
+    register(consumer).callback(SideChannelError("side channel did not answer within 2000 ms",
+                                                 "timeout"))
+    assert consumer.poll() == {}
+    clock.advance(1.0)
+    consumer.lease_expired(EP, ["pd1", "pd-not-ours"])
+    assert consumer.poll() == {}
+    [abort] = aborts(consumer)
+    assert abort.msg.pd_request_id == "pd1" and (abort.host, abort.port) == EP
+    consumer.lease_expired(EP, ["pd1"])  # a second report: no second abort
+    assert consumer.poll() == {} and len(aborts(consumer)) == 1
+    answer_abort(consumer, AbortState.ABORTED)
+    out = consumer.poll()
+    assert out["d-req"][0] == "timeout" and "lease on the prefill expired" in out["d-req"][1]
+    assert consumer.num_waiting == 0
+
+
+def test_lease_expired_after_a_write_landed_keeps_the_load(consumer, clock):
+    """The heartbeat crossed P's release after its WRITE: P answers the
+    abort "done", and the notification still completes the load."""
+    accepted(consumer)
+    consumer.lease_expired(EP, ["pd1"])
+    consumer.poll()
+    answer_abort(consumer, AbortState.DONE)
+    assert consumer.poll() == {}
+    consumer.loaded("d-req")  # the notification
+    clock.advance(DONE_GRACE_S + 1)
+    assert consumer.poll() == {} and consumer.num_waiting == 0
+
+
+def test_lease_expired_from_another_endpoint_is_ignored(consumer, clock):
+    accepted(consumer)
+    consumer.lease_expired(("127.0.0.1", 1234), ["pd1"])
+    assert consumer.poll() == {} and aborts(consumer) == []

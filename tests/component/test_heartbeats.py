@@ -135,3 +135,36 @@ def test_sender_thread_survives_any_exception_and_serves_other_peers(p_side, mon
         assert sweep(leases) == ([], [])
     finally:
         sender.close()
+
+
+def test_leases_p_reports_expired_reach_on_expired_and_a_raising_callback_is_survived(
+        p_side) -> None:
+    """A lease that expired on P (here: never renewed in time) is reported
+    to ``on_expired`` with its endpoint; a live lease and an unknown one are
+    not; a callback that raises does not stop the renewals."""
+    leases, port = p_side
+    with leases.lock:
+        leases.table.grant("p-gone")
+        leases.table.grant("p-live")
+    time.sleep(0.4)
+    with leases.lock:
+        leases.table.renew("p-live")  # good until 1.0 s...
+    time.sleep(0.3)  # ...while p-gone's 0.6 s lease lapses
+    seen: list[tuple[tuple[str, int], list[str]]] = []
+
+    def on_expired(endpoint: tuple[str, int], ids: list[str]) -> None:
+        seen.append((endpoint, ids))
+        raise RuntimeError("injected")
+
+    sender = HeartbeatSender("eng-d", interval_s=0.1, timeout_s=1.0)
+    sender.on_expired = on_expired
+    try:
+        sender.track("d-gone", (HOST, port), "p-gone")
+        sender.track("d-live", (HOST, port), "p-live")
+        sender.track("d-unknown", (HOST, port), "p-never-granted")
+        assert wait_for(lambda: len(seen) >= 2, timeout=2.0)
+        assert all(s == ((HOST, port), ["p-gone"]) for s in seen), seen
+        # p-live still renewed after the raises; only p-gone (not swept yet) expired
+        assert sweep(leases) == ([], ["p-gone"])
+    finally:
+        sender.close()

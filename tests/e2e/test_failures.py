@@ -1,16 +1,23 @@
 """Failure paths on real engines: mismatched peer, lease expiry, malformed
-params, and P killed before D reads under both failure policies."""
+params, P killed before D reads under both failure policies, and a D killed
+mid-stream behind the proxy (the stream continues on another D)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     EXTERNAL,
+    assert_nothing_held,
     assert_same_as_reference,
     build_model,
     completion_body,
@@ -21,7 +28,9 @@ from tests.e2e.helpers import (
     prefill,
     token_prompt,
 )
-from vllm_pd_ext.testing.engines import Engine
+from vllm_pd_ext.testing.engines import Engine, Proxy
+from vllm_pd_ext.testing.oracle import stream_output
+from vllm_pd_ext.tools import sse
 from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
@@ -240,8 +249,8 @@ def test_n2_on_one_p_answer_loads_once_and_both_children_answer(
 
 def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
                                  model: str) -> None:
-    """Last in this module: P stays dead (the restart test restarts it on
-    its own, so the set's engines start once more, not twice)."""
+    """P stays dead from here on (the restart test restarts it on its own,
+    so the set's engines start once more, not twice)."""
     p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
     body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
     _, want = ref.post("/v1/completions", body)
@@ -264,3 +273,62 @@ def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref
     assert_same_as_reference(ref, got, want)
     assert delta(before, after, EXTERNAL) == 0
     assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
+
+
+def test_d_killed_mid_stream_the_stream_continues_on_the_other_d(
+        fail_engines: dict[str, Engine], p: Engine, d: Engine, ref: Engine, model: str) -> None:
+    """Issue 28, and last in this module (its victim stays dead, as the
+    short-lease P of the test above does, so no engine starts for it): a D
+    SIGKILLed after 20 tokens of a 200-token greedy stream; the proxy
+    continues it on the other D from the token ids the client has. The
+    client's stream completes, equal to the collocated reference, no token
+    twice or missing, and the usage counts the whole answer."""
+    victim = fail_engines["d_recompute"]
+    victim_log_before = len(victim.log_text())
+    px = Proxy([p.url], [victim.url, d.url], log_dir("proxy-migration"),
+               args=["--routing", "round-robin"]).start()
+    try:
+        px.wait_ready()
+        prompt = token_prompt(150, seed=28)
+        body = completion_body(model, prompt, max_tokens=200, stream=True,
+                               stream_options={"include_usage": True})
+        _, want = ref.post("/v1/completions", completion_body(model, prompt, max_tokens=200))
+        assert len(want["choices"][0]["token_ids"]) == 200, want
+        events = _stream_killing(px.url + "/v1/completions", body, victim, after=20)
+        assert events[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
+        got = stream_output(events)
+        assert len(got.tokens) == 200, "a token was duplicated or lost"
+        assert_same_as_reference(ref, got, want)
+        usage = events[-2]["usage"]
+        assert usage["prompt_tokens"] == 150 and usage["completion_tokens"] == 200
+        assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}
+        # The victim served the first part, on the KV it read from P.
+        assert "loaded 150 tokens" in victim.log_text()[victim_log_before:]
+        log = px.log_path.read_text()
+        assert "continuing on another decode engine" in log, log[-2000:]
+        with urllib.request.urlopen(px.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'pd_proxy_migrations_total{cause="mid_stream",outcome="ok"} 1.0' in metrics
+        assert_nothing_held([p], [d], model, 15, "after the migration")
+    finally:
+        px.stop()
+
+
+def _stream_killing(url: str, body: dict[str, Any], victim: Engine, after: int) -> list[Any]:
+    """Stream ``body``; SIGKILL ``victim`` once ``after`` events arrived."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=120)
+    events: list[Any] = []
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:300]
+        for event in sse.response_events(resp):
+            events.append("[DONE]" if event.kind is sse.Kind.DONE else event.data)
+            if len(events) == after:
+                assert victim.alive()
+                victim.kill()  # SIGKILL, mid-generation
+    finally:
+        conn.close()
+    return events

@@ -84,9 +84,13 @@ SEEDS = {"pull": 95_000, "push": 96_000}
 
 
 def soak_config() -> SoakConfig:
-    """The CI soak: pull, 100 planned requests, one fault of each class."""
-    cfg = SoakConfig(mode="pull", requests=100, faults=0, clients=6, seed=11, lease_s=6.0,
-                     log_dir=log_dir("multihost-pull"), progress=False, netns=True)
+    """The CI soak: pull, 100 planned requests, one fault of each class, a
+    paced load (3 clients, 0.2 s between requests: the other lane's engines
+    share the 2 cores, and a closed loop of 6 made the soak's own D restart
+    take 190 s)."""
+    cfg = SoakConfig(mode="pull", requests=100, faults=0, clients=3, seed=11, lease_s=6.0,
+                     log_dir=log_dir("multihost-pull"), progress=False, netns=True,
+                     think_s=0.2)
     cfg.faults = len(fault_kinds(cfg))
     return cfg
 

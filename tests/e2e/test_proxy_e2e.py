@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from tests.e2e.engine_set import engine_set
 from tests.e2e.helpers import (
     CACHE_HIT,
     EXTERNAL,
     KV_BYTES,
-    assert_nothing_held,
     assert_same_as_reference,
     completion_body,
     delta,
@@ -27,7 +22,6 @@ from tests.e2e.helpers import (
 )
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
-from vllm_pd_ext.tools import sse
 from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
@@ -199,61 +193,3 @@ def test_default_threshold_decides_on_uncached_tokens(ref: Engine, p: Engine, d:
                              ("local", "prefix_hit")):
         assert (f'pd_proxy_prefill_decisions_total{{decision="{decision}",reason="{reason}"}}'
                 f" 1.0") in text
-
-
-
-def test_d_killed_mid_stream_the_stream_continues_on_the_other_d(
-        ref: Engine, p: Engine, d: Engine, model: str) -> None:
-    """Issue 28: a D SIGKILLed after 20 tokens of a 200-token greedy stream;
-    the proxy continues it on the other D from the token ids the client has.
-    The client's stream completes, equal to the collocated reference, no
-    token twice or missing, and the usage counts the whole answer."""
-    victim = Engine("d-victim", model, log_dir("migration"), role="kv_consumer", cpu_bind="1")
-    with engine_set(victim):
-        px = Proxy([p.url], [victim.url, d.url], log_dir("proxy-migration"),
-                   args=["--routing", "round-robin"]).start()
-        try:
-            px.wait_ready()
-            prompt = token_prompt(150, seed=28)
-            body = completion_body(model, prompt, max_tokens=200, stream=True,
-                                   stream_options={"include_usage": True})
-            _, want = ref.post("/v1/completions", completion_body(model, prompt, max_tokens=200))
-            assert len(want["choices"][0]["token_ids"]) == 200, want
-            events = _stream_killing(px.url + "/v1/completions", body, victim, after=20)
-            assert events[-1] == "[DONE]"
-            assert not any(isinstance(e, dict) and "error" in e for e in events), events[-3:]
-            got = stream_output(events)
-            assert len(got.tokens) == 200, "a token was duplicated or lost"
-            assert_same_as_reference(ref, got, want)
-            usage = events[-2]["usage"]
-            assert usage["prompt_tokens"] == 150 and usage["completion_tokens"] == 200
-            assert {e["id"] for e in events if isinstance(e, dict)} == {events[0]["id"]}
-            # The victim served the first part, on the KV it read from P.
-            assert "loaded 150 tokens" in victim.log_text()
-            log = px.log_path.read_text()
-            assert "continuing on another decode engine" in log, log[-2000:]
-            with urllib.request.urlopen(px.url + "/metrics", timeout=10) as r:
-                metrics = r.read().decode()
-            assert 'pd_proxy_migrations_total{cause="mid_stream",outcome="ok"} 1.0' in metrics
-            assert_nothing_held([p], [d], model, 15, "after the migration")
-        finally:
-            px.stop()
-
-
-def _stream_killing(url: str, body: dict[str, Any], victim: Engine, after: int) -> list[Any]:
-    """Stream ``body``; SIGKILL ``victim`` once ``after`` events arrived."""
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=120)
-    events: list[Any] = []
-    try:
-        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200, resp.read()[:300]
-        for event in sse.response_events(resp):
-            events.append("[DONE]" if event.kind is sse.Kind.DONE else event.data)
-            if len(events) == after:
-                assert victim.alive()
-                victim.kill()  # SIGKILL, mid-generation
-    finally:
-        conn.close()
-    return events

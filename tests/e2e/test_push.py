@@ -9,6 +9,7 @@ after any test (checked after every test).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -387,6 +388,25 @@ def until_ok(proxy: Proxy, body: dict[str, Any], within: float = 60) -> tuple[An
         time.sleep(0.5)
 
 
+def proxy_knows(proxy: Proxy, p_engine_id: str, within: float = 30) -> None:
+    """Wait until the proxy routes to P as ``p_engine_id``. Until then it
+    has no usable P and (with migration) prefills on D: the test is about
+    the push after the restart, so it waits for the proxy to know P."""
+    deadline = time.monotonic() + within
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        with (contextlib.suppress(OSError, ValueError),
+              urllib.request.urlopen(proxy.url + "/health", timeout=10) as r):
+            health = json.loads(r.read())
+        if health.get("status") == "ok" and any(
+                (b.get("identity") or {}).get("remote_engine_id") == p_engine_id
+                for b in health.get("prefill", [])):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the proxy did not learn P as {p_engine_id} within {within} s: "
+                         f"{health}")
+
+
 def test_p_and_d_restarts_are_detected_and_the_next_push_works(
         ref: Engine, push: dict[str, Any], model: str) -> None:
     """P restarts on the same ports (new engine id), then D does (new NIXL
@@ -406,6 +426,7 @@ def test_p_and_d_restarts_are_detected_and_the_next_push_works(
     assert f"this is engine {new_id}, not {old_id} (P restarted?)" in d.log_text()
     body = completion_body(model, token_prompt(260, seed=72), max_tokens=8)
     _, want = ref.post("/v1/completions", body)
+    proxy_knows(proxy, new_id)
     d0 = d.metrics()
     got, _ = until_ok(proxy, body)
     assert_same_as_reference(ref, got, want)

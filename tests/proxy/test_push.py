@@ -173,11 +173,11 @@ async def test_push_rejects_engine_without_push_support(engines, proxy, reported
     assert "transfer_mode" in (await resp.json())["prefill"][0]["identity_error"]
 
 
-async def _stale_identity_setup(engines, proxy):
+async def _stale_identity_setup(engines, proxy, **config):
     """P probed as engine-a, then restarted as engine-b; no health round in between."""
     p = await engines("prefill", engine_id="engine-a")
     d = await engines("decode")
-    client = await proxy([p], [d], transfer_mode="push", health_interval=60)
+    client = await proxy([p], [d], transfer_mode="push", health_interval=60, **config)
     assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
     assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
     p.restart("engine-b")
@@ -291,3 +291,59 @@ async def test_push_prefill_back_after_an_absence_is_probed_before_its_next_leg(
     resp = await client.post("/v1/completions", json={"prompt": "b"})
     assert resp.status == 200
     assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+
+
+def _remote_engine(body) -> str | None:
+    return (body.get("kv_transfer_params") or {}).get("remote_engine_id")
+
+
+async def test_push_stale_identity_migrates_to_the_same_prefill_with_its_new_identity(
+    engines, proxy
+):
+    """With migration (the default), the restarted P is not the sick engine:
+    the prompt is dispatched again to it, under its new identity, and its KV
+    is pushed (not prefilled on D because "no P is left")."""
+    p, d, client = await _stale_identity_setup(engines, proxy, max_migrations=2)
+
+    async def decode(engine, request, body):
+        if _remote_engine(body) == "engine-a":
+            await asyncio.sleep(10)  # the KV never comes: D was told the old engine id
+        return web.json_response(completion(request.path, body, "ok"))
+
+    d.override = decode
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "a"}), 5)
+    assert resp.status == 200, await resp.text()
+    assert [_remote_engine(leg.body) for leg in d.legs()[-2:]] == ["engine-a", "engine-b"]
+    assert d.legs()[-1].body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert len(p.legs()) == 3  # the setup's, the stale dispatch's, the migration's
+
+
+async def test_push_decode_refusal_by_a_restarted_prefill_migrates_with_a_fresh_probe(
+    engines, proxy
+):
+    """D fails at once (the restarted P refused its registration) while P
+    still prefills: the identity is dropped, so the migration's dispatch
+    probes P first and names its new identity."""
+    p, d, client = await _stale_identity_setup(engines, proxy, max_migrations=2)
+    first = asyncio.Event()
+
+    async def prefill(engine, request, body):
+        if not first.is_set():
+            first.set()
+            await asyncio.sleep(10)  # still prefilling when D fails
+        answer = completion(request.path, body, "x")
+        return web.json_response({**answer, "kv_transfer_params": engine.kv_params})
+
+    async def decode(engine, request, body):
+        if _remote_engine(body) == "engine-a":
+            await first.wait()
+            err = {"error": {"message": "this is engine engine-b, not engine-a", "code": 500}}
+            return web.json_response(err, status=500)
+        return web.json_response(completion(request.path, body, "ok"))
+
+    p.override, d.override = prefill, decode
+    probes = len(p.probes())
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "a"}), 5)
+    assert resp.status == 200, await resp.text()
+    assert [_remote_engine(leg.body) for leg in d.legs()[-2:]] == ["engine-a", "engine-b"]
+    assert len(p.probes()) > probes

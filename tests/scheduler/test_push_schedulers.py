@@ -391,3 +391,41 @@ def test_d_rings_its_pump_on_every_step_while_it_waits_for_writes(pair: Pair) ->
         pd(pair.d).ringer = None
         ringer.close()
         bell.close()
+
+
+def test_p_lease_expired_while_registration_unconfirmed_fails_d_at_once(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P was cut off while D registered (the registration's send timed out,
+    so D does not know whether P has it) and P's lease lapsed meanwhile.
+    Once P is reachable, D's heartbeat is answered "expired": D aborts and
+    fails the load well before its 30 s push_timeout (before: it waited it
+    out, and the proxy's deadline passed first)."""
+    pd_id = "pd-lapsed"
+    prefill_on_p(pair, pd_id, 150)
+    time.sleep(LEASE_S * 1.5)
+    step(pair.p)  # P's sweep: the unrenewed lease expires, its blocks are freed
+    assert pd(pair.p).leases.table.get(pd_id) is None
+    outbox = pd(pair.d).consumer._outbox
+    real_send = outbox.send
+
+    def lose_registrations(host, port, msg, callback=None):
+        if isinstance(msg, proto.PushRegister):  # the partition eats it
+            callback(SideChannelError("side channel did not answer within 500 ms", "timeout"))
+            return
+        real_send(host, port, msg, callback)
+
+    monkeypatch.setattr(outbox, "send", lose_registrations)
+    started = time.monotonic()
+    d_req, _ = admit_on_d(pair, pd_id, 150)
+    reason, detail = wait_push_fail(pair, d_req, pause=0.1)
+    assert time.monotonic() - started < 10
+    assert reason == "timeout" and "lease on the prefill expired" in detail
+    # P's tombstone answered the abort (no WRITE can come); it stays.
+    assert pd(pair.p).producer.book.state(pd_id) is PushState.EXPIRED
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert d_req.is_finished()  # kv_load_failure_policy=fail
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)

@@ -100,6 +100,9 @@ class EventKind(enum.Enum):
     ABORT_STATUS = "abort_status"
     #: An abort got no answer (or an error).
     ABORT_ERROR = "abort_error"
+    #: P answered a heartbeat: its lease on the prefill expired (or was
+    #: released). Only a WRITE already done can still be reported.
+    LEASE_EXPIRED = "lease_expired"
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class PushEvent:
     abort_state: proto.PushAbortState | None = None
     #: When the reply arrived (the consumer's clock); 0: not recorded.
     at: float = 0.0
+    #: ``LEASE_EXPIRED``: the P endpoint that said so.
+    endpoint: Endpoint | None = None
 
 
 @dataclass
@@ -345,6 +350,20 @@ class PushConsumer:
                         msg.pd_request_id, msg.engine_id, msg.ok)
         return proto.Ack()
 
+    def lease_expired(self, endpoint: Endpoint, pd_ids: list[str]) -> None:
+        """Heartbeat lane: P reports its leases on ``pd_ids`` expired or
+        released. A wait for one of them would otherwise last until its
+        deadline (``push_timeout``), typically after P was unreachable
+        while D registered (the registration unconfirmed, P's lease lapsed
+        meanwhile); ``poll`` aborts it instead, which also learns whether a
+        WRITE landed after all."""
+        with self._lock:
+            rids = [rid for pd_id in pd_ids if (rid := self._by_pd.get(pd_id)) is not None]
+            self._events.extend(PushEvent(rid, EventKind.LEASE_EXPIRED, endpoint=endpoint)
+                                for rid in rids)
+        if rids and self.on_event is not None:
+            self.on_event()
+
     def _on_register_reply(self, rid: str, expect: str,
                            reply: proto.Reply | SideChannelError) -> None:
         if isinstance(reply, proto.PushAccepted):
@@ -420,6 +439,16 @@ class PushConsumer:
                          out)
         elif kind is EventKind.ABORT_STATUS:
             self._apply_abort_status(wait, event.abort_state, now, out)
+        elif kind is EventKind.LEASE_EXPIRED:
+            # Not while an abort is out (its answer decides) or after P said
+            # its WRITE is done (the notification is on its way). Another P
+            # reusing the id cannot end this wait: the endpoint must match.
+            if not wait.abort_sent and not wait.done_seen and event.endpoint == wait.endpoint:
+                wait.why = ("P's lease on the prefill expired before its KV reached this "
+                            "engine (was P unreachable while D registered?)")
+                logger.warning("PDConnector: request %s: %s; aborting the push %s",
+                               wait.request_id, wait.why, wait.pd_request_id)
+                self._send_abort(wait, "P's lease expired")
         elif kind is EventKind.ABORT_ERROR:
             if now >= wait.window_closes:
                 self._settle(wait, FailureReason.ABORTED if wait.ended else

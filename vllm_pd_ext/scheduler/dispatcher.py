@@ -111,6 +111,8 @@ class PDScheduler:
                 self.engine_id, self.compat, self.host, self.port, cfg.push_timeout,
                 cfg.handshake_timeout, write_timeout_s=cfg.transfer_timeout,
                 queue_timeout_s=cfg.push_queue_timeout, auth=self.auth)
+            # A lease P reports expired ends D's wait for its WRITE early.
+            self.heartbeats.on_expired = self.consumer.lease_expired
         else:
             self.p_mode = PullProducer(self.lender, self.tp_size)
             d_mode = PullConsumer(self.block_size, self.tp_size, self.heartbeats)

@@ -8,6 +8,12 @@ Runs in D's scheduler process. Lifecycle of a tracked request:
 3. ``release`` tells P to free blocks D will never read (request aborted
    before its load, or its KV already cached on D).
 
+P answers each renew with the seconds left per lease. A lease P reports
+expired (``LEASE_EXPIRED``: it expired or was released, so P freed or
+will free the blocks) is passed to ``on_expired``: in push mode D then
+stops waiting for a WRITE that will not come (``d_push``) instead of
+waiting out ``push_timeout``.
+
 One daemon thread keeps the rounds' time; the messages leave on one
 ``Outbox`` lane per P endpoint, so a dead or frozen P delays only its own
 heartbeats and releases, never another P's renewals. At most one renew per
@@ -22,6 +28,7 @@ import functools
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.wire import protocol as proto
@@ -52,6 +59,9 @@ class HeartbeatSender:
         self._stop = False
         self.num_sent = 0
         self.num_refused = 0
+        #: Called on a lane thread with a P endpoint and the P request ids it
+        #: reported expired; exceptions are logged, never raised into the lane.
+        self.on_expired: Callable[[Endpoint, list[str]], None] | None = None
         self._outbox = Outbox(self.timeout_s, name="pd-hb", fail_queued_on_timeout=True,
                              auth=auth)
         self._thread: threading.Thread | None = None
@@ -102,7 +112,7 @@ class HeartbeatSender:
             for endpoint, remote_ids in batches.items():
                 self._outbox.send(endpoint[0], endpoint[1], proto.LeaseRenew(
                     engine_id=self.engine_id, request_ids=remote_ids),
-                    functools.partial(self._on_renew_reply, endpoint, len(remote_ids)))
+                    functools.partial(self._on_renew_reply, endpoint, remote_ids))
 
     def _due(self, full_round: bool) -> dict[Endpoint, list[str]]:
         """Under the lock: the renews to send now, one batch per endpoint
@@ -127,24 +137,37 @@ class HeartbeatSender:
     def _sendable_fresh(self) -> bool:
         return any(self._tracked[r][0] not in self._outstanding for r in self._fresh)
 
-    def _on_renew_reply(self, endpoint: Endpoint, count: int,
+    def _on_renew_reply(self, endpoint: Endpoint, remote_ids: list[str],
                         reply: proto.Reply | SideChannelError) -> None:
         """Lane thread: count the answer; P's lease may be shorter than ours,
-        so beat at least three times per remaining lease."""
+        so beat at least three times per remaining lease. Expired leases go
+        to ``on_expired`` (outside the lock)."""
+        expired: list[str] = []
         with self._lock:
             self._outstanding.discard(endpoint)
             if isinstance(reply, SideChannelError):
                 logger.warning("PDConnector: heartbeat to %s:%d failed: %s", endpoint[0],
                                endpoint[1], reply)
             elif isinstance(reply, proto.LeaseStatus):
-                self.num_sent += count
+                self.num_sent += len(remote_ids)
                 self.num_refused += sum(1 for r in reply.remaining_s if r < 0)
+                # Not strict: a peer answering the wrong count only loses
+                # its own extra (or missing) entries.
+                expired = [rid for rid, left in zip(remote_ids, reply.remaining_s,
+                                                    strict=False)
+                           if left == proto.LEASE_EXPIRED]
                 left = min((r for r in reply.remaining_s if r > 0), default=None)
                 if left is not None and time.monotonic() + left / 3 < self._next_round:
                     self._next_round = time.monotonic() + left / 3
                     self._lock.notify()  # the thread sleeps until the old round
             if self._sendable_fresh():
                 self._lock.notify()
+        if expired and self.on_expired is not None:
+            try:
+                self.on_expired(endpoint, expired)
+            except Exception:  # the lane serves every request to this P: never end it
+                logger.exception("PDConnector: handling expired leases of %s:%d failed",
+                                 *endpoint)
 
     @staticmethod
     def _on_release_reply(reply: proto.Reply | SideChannelError) -> None:

@@ -112,6 +112,11 @@ class SoakConfig:
     max_migrations: int = 2
     #: Clean errors are violations too (the default with migration on).
     zero_errors: bool = True
+    #: Seconds each client pauses between its requests: a paced load for the
+    #: CI tier, which shares its 2 cores with the rest of the suite (a
+    #: closed loop there only slows every engine start, the soak's own
+    #: restarts included); 0 for the full soak.
+    think_s: float = 0.0
 
 
 def resources(engine: Engine) -> dict[str, int]:
@@ -277,6 +282,8 @@ class Soak:
                 self.in_flight.pop(rid, None)
                 self.results.append(r)
                 self._want_of[rid] = job.rid
+            if self.cfg.think_s:
+                time.sleep(self.cfg.think_s)
 
     def run_load(self) -> None:
         it = self._jobs()
@@ -631,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", type=int, default=6,
                     help="at least one per class: 6 on 127.0.0.1, 8 with --netns")
     ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--think", type=float, default=0.0, metavar="S",
+                    help="each client pauses S seconds between its requests (default 0: a "
+                         "closed loop)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--lease", type=float, default=6.0, help="lease_duration (s)")
     ap.add_argument("--out-json", default=None)
@@ -673,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                      clients=args.clients, seed=args.seed, lease_s=args.lease,
                      progress=not args.no_progress, netns=args.netns, scenario=args.scenario,
                      tp=tp, max_migrations=args.max_migrations,
-                     zero_errors=not args.allow_clean_errors)
+                     zero_errors=not args.allow_clean_errors, think_s=args.think)
     rep = run(cfg, model)
     print(table(rep["summary"]))
     for v in rep["violations"]:
