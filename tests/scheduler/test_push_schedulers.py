@@ -167,6 +167,18 @@ def finish_both(pair: Pair, d_req) -> None:
     assert_scheduler_empty(pair.p)
 
 
+def fail_load_and_check_both_empty(pair: Pair, d_req) -> None:
+    """D's worker reports the failed load: the request ends (policy fail)
+    and neither engine holds anything."""
+    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
+    step(pair.d)
+    assert d_req.is_finished()  # kv_load_failure_policy=fail
+    step(pair.d)
+    assert_scheduler_empty(pair.d)
+    step(pair.p)
+    assert_scheduler_empty(pair.p)
+
+
 def test_registration_first_then_prefill_orders_exact_blocks(pair: Pair) -> None:
     d_req, meta = admit_on_d(pair, "pd-1", 3 * BLOCK_SIZE + 5)
     (spec,) = meta.push_recv
@@ -292,13 +304,7 @@ def test_prefill_aborted_on_p_fails_waiting_d_at_once(pair: Pair) -> None:
     reason, detail = wait_push_fail(pair, d_req)  # well before D's 30 s push_timeout
     assert reason == "transfer_error" and "ended with FINISHED_ABORTED" in detail
     assert pair.next_order(100) is None
-    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
-    step(pair.d)
-    assert d_req.is_finished()  # kv_load_failure_policy=fail
-    step(pair.d)
-    assert_scheduler_empty(pair.d)
-    step(pair.p)
-    assert_scheduler_empty(pair.p)
+    fail_load_and_check_both_empty(pair, d_req)
 
 
 def test_failed_write_reaches_d_through_p_scheduler_at_once(pair: Pair) -> None:
@@ -310,13 +316,7 @@ def test_failed_write_reaches_d_through_p_scheduler_at_once(pair: Pair) -> None:
     reason, detail = wait_push_fail(pair, d_req)  # well before D's 30 s push_timeout
     assert reason == "transfer_error"
     assert detail == "P could not write the KV: NIXL reported an error for the WRITE"
-    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
-    step(pair.d)
-    assert d_req.is_finished()  # kv_load_failure_policy=fail
-    step(pair.d)
-    assert_scheduler_empty(pair.d)
-    step(pair.p)
-    assert_scheduler_empty(pair.p)
+    fail_load_and_check_both_empty(pair, d_req)
 
 
 def test_p_refuses_to_write_the_kv_of_another_prompt(pair: Pair) -> None:
@@ -422,10 +422,4 @@ def test_p_lease_expired_while_registration_unconfirmed_fails_d_at_once(
     assert reason == "timeout" and "lease on the prefill expired" in detail
     # P's tombstone answered the abort (no WRITE can come); it stays.
     assert pd(pair.p).producer.book.state(pd_id) is PushState.EXPIRED
-    step(pair.d, finished_recving={d_req.request_id}, failed_recving={d_req.request_id})
-    step(pair.d)
-    assert d_req.is_finished()  # kv_load_failure_policy=fail
-    step(pair.d)
-    assert_scheduler_empty(pair.d)
-    step(pair.p)
-    assert_scheduler_empty(pair.p)
+    fail_load_and_check_both_empty(pair, d_req)
