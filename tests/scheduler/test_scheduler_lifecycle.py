@@ -11,6 +11,7 @@ import time
 import pytest
 from pdsched import (
     BLOCK_SIZE,
+    EOS_TOKEN_ID,
     SCHEDULING_MODES,
     assert_scheduler_empty,
     create_request,
@@ -263,6 +264,37 @@ def test_p_aborted_prefill_hands_nothing_over(make_scheduler):
     sched.schedule()
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
     assert len(pd(sched).leases.table) == 0
+    assert_empty_after_step(sched)
+
+
+@pytest.mark.parametrize("first_token", [True, False])
+def test_p_prefill_stopped_at_token_one_hands_over_only_without_pd_first_token(
+        make_scheduler, first_token):
+    """Token #1 is EOS. With ``pd_first_token`` the proxy sends it itself and
+    no D leg follows: no lease, every block free at once. Without it (today's
+    path: D recomputes token #1) P lends the blocks as for ``length``."""
+    sched = make_scheduler("kv_producer")
+    total_free = num_free(sched)
+    params = {"do_remote_decode": True, **({"pd_first_token": True} if first_token else {})}
+    req = create_request(100, kv_transfer_params=params, max_tokens=4)
+    sched.add_request(req)
+    finals = []
+    for _ in range(10):
+        _, core = step(sched, token_id=EOS_TOKEN_ID)
+        finals += [o for o in outputs_of(settle(sched, core))
+                   if o.request_id == req.request_id and o.finish_reason is not None]
+        if req.is_finished():
+            break
+    assert req.status is RequestStatus.FINISHED_STOPPED
+    assert len(finals) == 1
+    if first_token:
+        assert finals[0].kv_transfer_params is None
+        assert len(pd(sched).leases.table) == 0
+        assert num_free(sched) == total_free
+    else:
+        assert finals[0].kv_transfer_params["remote_num_tokens"] == 100
+        assert len(pd(sched).leases.table) == 1
+        assert pd(sched).leases.table.release(req.request_id)
     assert_empty_after_step(sched)
 
 

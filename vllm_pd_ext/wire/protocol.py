@@ -188,6 +188,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     #: sampled (the proxy already sent them to the client); P's KV covers the
     #: prompt before them, and D computes them in its first step.
     pd_seeded_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEEDED_TOKENS)] = 0
+    #: P leg: the proxy sends P's token #1 to the client itself, so a prefill
+    #: whose token #1 ended the answer (EOS, a stop token) is the whole answer
+    #: and hands nothing over (no lease for a D leg that will never come).
+    pd_first_token: bool = False
 
     @property
     def is_readback(self) -> bool:
