@@ -117,6 +117,11 @@ async def serve(
         record(up, ctx, PREFILL)
         return await _answer_from_p(sink, ctx, body, answer, seed, wants_ids)
     why = first_token.seed_refusal(answer, seed, chat)
+    if why is None and d_params is not None and not d_params.get("remote_prompt_digest") \
+            and not d_params.get("pd_request_id"):
+        # Not a vllm_pd_ext prefill (vLLM's NixlConnector answers without a
+        # prompt digest): its decode engines would not know pd_seeded_tokens.
+        why = "not_pd_ext"
     d_body = first_token.decode_body(body, seed, chat, ctx.stream)
     if why is None and (d_body is None or d_params is None):
         why = "no_kv_params"

@@ -218,6 +218,18 @@ async def test_p_answer_without_token_ids_falls_back(engines, proxy):
     assert d.legs()[0].body["prompt"] == PROMPT
 
 
+async def test_a_prefill_that_is_not_vllm_pd_ext_falls_back(engines, proxy):
+    """vLLM's NixlConnector P: its decode engines would not know pd_seeded_tokens."""
+    p = await engines("prefill", override=TokenEngine(pd_ext=False))
+    d = await engines("decode", override=TokenEngine())
+    client = await proxy([p], [d], first_token_from_prefill=True)
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": N}
+    answer = await (await client.post("/v1/completions", json=body)).json()
+    assert answer["choices"][0]["text"] == text(reference("/v1/completions", body))
+    assert first_token_counts(client) == {("fallback", "not_pd_ext"): 1}
+    assert bodies(d)[0]["prompt"] == PROMPT
+
+
 async def test_off_sends_no_first_token_fields(engines, proxy):
     p, (d,), client = await pd(engines, proxy, first_token_from_prefill=False)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True}

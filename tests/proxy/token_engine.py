@@ -96,7 +96,7 @@ class TokenEngine:
 
     def __init__(self, faults: Faults | None = None, delay: float = 0.0,
                  kv_params: dict[str, Any] | None = None, stop_first: bool = False,
-                 gate: asyncio.Event | None = None) -> None:
+                 gate: asyncio.Event | None = None, pd_ext: bool = True) -> None:
         self.faults = faults or Faults()
         self.delay = delay
         self.kv_params = kv_params
@@ -104,6 +104,9 @@ class TokenEngine:
         self.stop_first = stop_first
         #: A decode engine: answers nothing until the gate is set.
         self.gate = gate
+        #: A prefill engine: answers as vllm_pd_ext's P (a prompt digest in
+        #: its params), not as vLLM's NixlConnector.
+        self.pd_ext = pd_ext
         self.legs = 0
         self.bodies: list[dict[str, Any]] = []
 
@@ -138,7 +141,9 @@ class TokenEngine:
         leg = body.get("kv_transfer_params")
         stopped = self.stop_first and isinstance(leg, dict) and leg.get("pd_first_token")
         if engine.kv_params is not None and isinstance(leg, dict) and not stopped:
-            answer["kv_transfer_params"] = engine.kv_params
+            answer["kv_transfer_params"] = dict(engine.kv_params)
+            if self.pd_ext:
+                answer["kv_transfer_params"]["remote_prompt_digest"] = "d" * 32
         return answer
 
     async def __call__(self, engine: FakeEngine, request: web.Request,
