@@ -162,7 +162,7 @@ async def test_non_streamed_answer_merges_token_one_and_d_rest(engines, proxy, m
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("stream", [False, True])
 async def test_token_one_that_ends_the_answer_is_p_answer_alone(engines, proxy, mode, stream):
-    p, (d,), client = await pd(engines, proxy, stop_first=True, transfer_mode=mode)
+    _p, (d,), client = await pd(engines, proxy, stop_first=True, transfer_mode=mode)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": stream,
             "stream_options": {"include_usage": True}} if stream else {
             "model": "m", "prompt": PROMPT, "max_tokens": N}
@@ -243,7 +243,7 @@ async def test_off_sends_no_first_token_fields(engines, proxy):
 
 async def test_d_failing_after_token_one_ends_with_one_error_event_without_migration(
         engines, proxy):
-    _p, (d,), client = await pd(engines, proxy, [Faults(status=500)], max_migrations=0)
+    _p, _ds, client = await pd(engines, proxy, [Faults(status=500)], max_migrations=0)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True}
     resp = await client.post("/v1/completions", json=body)
     assert resp.status == 200  # the stream started with token #1
@@ -256,7 +256,7 @@ async def test_d_failing_after_token_one_ends_with_one_error_event_without_migra
 @pytest.mark.parametrize("fault", [Faults(status=500), Faults(die_after=3),
                                    Faults(error_after=0)])
 async def test_d_failing_after_token_one_continues_on_another_d(engines, proxy, fault):
-    _p, (d0, d1), client = await pd(engines, proxy, [fault, None], max_migrations=2,
+    _p, (_d0, d1), client = await pd(engines, proxy, [fault, None], max_migrations=2,
                                     routing="round-robin")
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
