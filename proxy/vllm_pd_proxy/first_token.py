@@ -78,6 +78,10 @@ def refusal(body: dict[str, Any], chat: bool, *, responses: bool = False,
             return "n"
     if chat and (body.get("logprobs") or body.get("top_logprobs")):
         return "chat_logprobs"
+    if body.get("seed") is not None and body.get("temperature", 1.0) != 0:
+        # A seeded sample is reproducible: the collocated engine draws token
+        # #2 from a generator that already drew token #1; D's would not.
+        return "seeded_sampling"
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
         return "continuous_usage"
@@ -247,11 +251,24 @@ def _blank_ids(answer: dict[str, Any]) -> None:
                         c[key] = None
 
 
-def _merge_logprobs(first: Any, rest: Any, shift: int) -> Any:
+def _next_offset(logprobs: dict[str, Any], text: str) -> int:
+    """Where offsets go on after ``logprobs``: vLLM advances them by the
+    logprobs' token strings (``token_id:N`` with ``return_tokens_as_token_ids``),
+    not by the text."""
+    offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+    if (isinstance(offsets, list) and isinstance(tokens, list) and offsets
+            and len(offsets) == len(tokens) and type(offsets[-1]) is int
+            and isinstance(tokens[-1], str)):
+        return offsets[-1] + len(tokens[-1])
+    return len(text)
+
+
+def _merge_logprobs(first: Any, rest: Any, text: str) -> Any:
     """Completions logprobs of token #1 (P) and the rest (D), D's text
-    offsets moved past token #1's text."""
+    offsets moved past token #1's."""
     if not isinstance(first, dict) or not isinstance(rest, dict):
         return first if rest is None else rest if first is None else None
+    shift = _next_offset(first, text)
     out: dict[str, Any] = {}
     for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
         a, b = first.get(key), rest.get(key)
@@ -284,7 +301,7 @@ def merge(p_answer: dict[str, Any], d_answer: dict[str, Any], seed: Seed, chat: 
     else:
         choice["text"] = seed.text + rest_text
         choice["logprobs"] = _merge_logprobs(p_choice.get("logprobs"),
-                                             d_choice.get("logprobs"), len(seed.text))
+                                             d_choice.get("logprobs"), seed.text)
     choice["finish_reason"] = d_choice.get("finish_reason")
     choice["stop_reason"] = d_choice.get("stop_reason")
     rest_ids = _ints(d_choice.get("token_ids")) or []

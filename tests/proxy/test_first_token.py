@@ -65,6 +65,10 @@ def test_what_cannot_be_seeded_is_named() -> None:
     assert refusal({"presence_penalty": 0.5}, chat=False) == "output_penalties"
     assert refusal({"stream_options": {"continuous_usage_stats": True}}, chat=False) == \
         "continuous_usage"
+    assert refusal({"seed": 3, "temperature": 0.8}, chat=False) == "seeded_sampling"
+    assert refusal({"seed": 3}, chat=False) == "seeded_sampling"  # vLLM's default: 1.0
+    assert refusal({"seed": 3, "temperature": 0}, chat=False) is None  # greedy
+    assert refusal({"temperature": 0.8}, chat=False) is None  # any valid sample will do
     assert refusal({}, chat=False, responses=True) == "responses"
     assert refusal({}, chat=False, batch=True) == "batch"
     assert refusal({}, chat=True, multi_turn=True) == "multi_turn"
@@ -178,3 +182,20 @@ def test_chat_merge_joins_the_message_content() -> None:
     assert out is not None and out["object"] == "chat.completion"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": "Hi there"}
     assert out["usage"]["completion_tokens"] == 2 and out["prompt_token_ids"] is None
+
+
+def test_merge_moves_offsets_past_token_id_strings() -> None:
+    """``return_tokens_as_token_ids``: offsets follow the ``token_id:N`` strings."""
+    lp1 = {"tokens": ["token_id:9"], "text_offset": [0], "token_logprobs": [-1.0],
+           "top_logprobs": None}
+    lp2 = {"tokens": ["token_id:10", "token_id:11"], "text_offset": [0, 11],
+           "token_logprobs": [-2.0, -3.0], "top_logprobs": None}
+    p = {"choices": [{"text": "A", "finish_reason": "length", "token_ids": [9],
+                      "prompt_token_ids": [1], "logprobs": lp1}]}
+    d = {"choices": [{"text": "BC", "finish_reason": "length", "token_ids": [10, 11],
+                      "logprobs": lp2}]}
+    seed = seed_of(p, chat=False)
+    assert seed is not None
+    out = merge(p, d, seed, chat=False, wants_ids=False)
+    assert out is not None
+    assert out["choices"][0]["logprobs"]["text_offset"] == [0, 10, 21]
