@@ -252,44 +252,20 @@ def test_n2_on_one_p_answer_loads_once_and_both_children_answer(
     assert delta(p_before, p_after, "vllm:pd_ext_lease_expiries_total") == 0  # ...not expired
 
 
-def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
-                                 model: str) -> None:
-    """P stays dead from here on (the restart test restarts it on its own,
-    so the set's engines start once more, not twice)."""
-    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
-    body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
-    _, want = ref.post("/v1/completions", body)
-    params = prefill(p, body)
-    p.kill()  # SIGKILL: a crash, no goodbye
-    p.proc.wait(timeout=30)  # type: ignore[union-attr]
-
-    # fail: a clean error, D stays up.
-    t0 = time.monotonic()
-    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
-    assert status >= 500, got
-    assert time.monotonic() - t0 < 60
-    assert d.alive()
-
-    # recompute: D prefills locally and the tokens equal the collocated ones.
-    before = d_recompute.metrics()
-    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
-    after = d_recompute.metrics()
-    assert status == 200, got
-    assert_same_as_reference(ref, got, want)
-    assert delta(before, after, EXTERNAL) == 0
-    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
-
-
 class _DeadSideChannelP:
     """A stand-in for P's HTTP server: it forwards every request to the real
     P, but its answers' ``kv_transfer_params`` name a side channel nobody
     listens on, so D's load fails after token #1 already reached the
-    client (issue 29). P's lease is never pinned and expires."""
+    client (issue 29). P's lease is never pinned and expires. (Its tests
+    run before ``test_p_killed_before_d_reads``, which kills that P.)"""
 
     def __init__(self, real: Engine) -> None:
         dead = free_port()  # nothing listens on it
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            # Keep-alive, as vLLM's server: the proxy's pool reuses connections.
+            protocol_version = "HTTP/1.1"
+
             def _forward(self, data: bytes | None) -> None:
                 req = urllib.request.Request(real.url + self.path, data=data,
                                              method=self.command,
@@ -374,6 +350,34 @@ def test_d_load_failing_after_token_one_never_duplicates_or_loses_a_token(
         assert len(got.tokens) == 16, "a token was duplicated or lost"
         assert_same_as_reference(ref, got, want)
     assert_nothing_held([p], [decode], model, LEASE_S + 10, f"after the failed load ({case})")
+
+
+def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,
+                                 model: str) -> None:
+    """P stays dead from here on (the restart test restarts it on its own,
+    so the set's engines start once more, not twice)."""
+    p, d_recompute = fail_engines["p"], fail_engines["d_recompute"]
+    body = completion_body(model, token_prompt(260, seed=35), max_tokens=10)
+    _, want = ref.post("/v1/completions", body)
+    params = prefill(p, body)
+    p.kill()  # SIGKILL: a crash, no goodbye
+    p.proc.wait(timeout=30)  # type: ignore[union-attr]
+
+    # fail: a clean error, D stays up.
+    t0 = time.monotonic()
+    status, got = d.post("/v1/completions", dict(body, kv_transfer_params=params))
+    assert status >= 500, got
+    assert time.monotonic() - t0 < 60
+    assert d.alive()
+
+    # recompute: D prefills locally and the tokens equal the collocated ones.
+    before = d_recompute.metrics()
+    status, got = d_recompute.post("/v1/completions", dict(body, kv_transfer_params=params))
+    after = d_recompute.metrics()
+    assert status == 200, got
+    assert_same_as_reference(ref, got, want)
+    assert delta(before, after, EXTERNAL) == 0
+    assert delta(before, after, "vllm:pd_ext_kv_failures_total") == 1
 
 
 def test_d_killed_mid_stream_the_stream_continues_on_the_other_d(
