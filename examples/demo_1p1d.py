@@ -13,9 +13,11 @@ shows an unsigned leg sent straight to D being refused.
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import sys
 import time
+import urllib.request
 
 from vllm_pd_ext.testing.engines import REPO, Engine, Proxy
 from vllm_pd_ext.testing.oracle import compare, near_tie_nats, output_of
@@ -128,6 +130,9 @@ def main() -> int:
             print(f"P's WRITEs / bytes:     {p_delta('vllm:pd_ext_kv_writes_total')} / "
                   f"{p_delta('vllm:pd_ext_kv_bytes_written_total')}")
         print(f"request latency:        {elapsed * 1e3:.0f} ms")
+        paths = first_token_paths(proxy.url)
+        print(f"token #1:               "
+              f"{'from P, D continued from token #2' if paths.get('seeded') else paths}")
         # An unsigned handoff leg sent straight to D (what any client of D's
         # port could try): refused before it reaches the engine.
         forged, answer = d.post("/v1/completions", {
@@ -145,6 +150,15 @@ def main() -> int:
             proxy.stop()
         d.stop()
         p.stop()
+
+
+def first_token_paths(url: str) -> dict[str, float]:
+    """The proxy's ``pd_proxy_first_token_total`` by path (``seeded``: token
+    #1 came from P and D computed only its KV, docs/proxy.md)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {m[1] + (f":{m[2]}" if m[2] else ""): float(m[3]) for m in re.finditer(
+        r'^pd_proxy_first_token_total\{path="([^"]*)",reason="([^"]*)"\} (\S+)$', text, re.M)}
 
 
 if __name__ == "__main__":

@@ -210,6 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
         "continued on another decode engine from the tokens already sent (0: never)",
     )
     g.add_argument(
+        "--first-token-from-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=_D.first_token_from_prefill,
+        help="stream the first token as soon as the prefill engine sampled it, and let "
+        "the decode engine continue from the second (it computes the first token's KV "
+        "instead of recomputing the token); requests it cannot serve exactly take the "
+        "usual path, counted in pd_proxy_first_token_total",
+    )
+    g.add_argument(
         "--request-deadline",
         type=float,
         metavar="S",
@@ -360,6 +369,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_retries=args.prefill_retries,
         max_migrations=args.max_migrations,
         request_deadline=args.request_deadline,
+        first_token_from_prefill=args.first_token_from_prefill,
         max_inflight_per_prefill=args.max_inflight_per_prefill,
         queue_timeout=args.queue_timeout,
         max_queued=args.max_queued,

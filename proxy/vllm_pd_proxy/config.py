@@ -79,6 +79,9 @@ class ProxyConfig:
     # the seconds after its arrival past which none starts (0: no deadline).
     max_migrations: int = 2
     request_deadline: float = 0.0
+    # Token #1 from P (vllm_pd_proxy.first_token): the client gets P's first
+    # token when P answers, and D continues from token #2.
+    first_token_from_prefill: bool = True
     # Back-pressure (vllm_pd_proxy.admission): P legs in flight per prefill
     # engine (0: no cap), requests waiting for a slot, and how long one waits.
     max_inflight_per_prefill: int = 16

@@ -28,15 +28,23 @@ from .backends import PrefillIdentity
 _P_LEG_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], responses: bool = False
-                 ) -> dict[str, Any]:
-    """The P leg: the client body cut down to one non-streaming prefill, one token.
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any] | None, responses: bool = False,
+                 seeding: bool = False) -> dict[str, Any]:
+    """The P leg: the client body cut down to one non-streaming prefill, one token
+    (``kv_params`` None: an ordinary request, its answer the client's).
 
     ``responses``: a Responses API body (``/v1/responses``), whose limit is
     ``max_output_tokens``; P neither stores its one-token answer nor runs
     it in the background (both refused for the client's request upstream).
+    ``seeding``: P's token is the client's token #1
+    (:mod:`vllm_pd_proxy.first_token`): P returns the token ids, and a
+    client's ``min_tokens`` keeps token #1 from being EOS there too.
     """
     leg = {k: v for k, v in body.items() if k not in _P_LEG_DROPPED}
+    if seeding:
+        leg["return_token_ids"] = True
+        if _least(body) > 0:
+            leg["min_tokens"] = 1
     if responses:
         leg["max_output_tokens"] = 1
         leg["store"] = False
@@ -46,8 +54,19 @@ def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], responses: boo
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
     leg["stream"] = False
-    leg["kv_transfer_params"] = kv_params
+    if kv_params is None:  # a one-token answer from P alone: no handoff
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = kv_params
     return leg
+
+
+def _least(body: dict[str, Any]) -> int:
+    for key in ("min_tokens", "min_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
@@ -64,9 +83,10 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
     return leg
 
 
-def pull_prefill_params() -> dict[str, Any]:
-    """P-leg params in pull mode; identical to vLLM's toy proxy."""
-    return {
+def pull_prefill_params(first_token: bool = False) -> dict[str, Any]:
+    """P-leg params in pull mode; identical to vLLM's toy proxy, plus
+    ``pd_first_token`` when the proxy sends P's token #1 itself."""
+    params = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -74,16 +94,22 @@ def pull_prefill_params() -> dict[str, Any]:
         "remote_host": None,
         "remote_port": None,
     }
+    if first_token:
+        params["pd_first_token"] = True
+    return params
 
 
-def push_prefill_params(request_id: str) -> dict[str, Any]:
+def push_prefill_params(request_id: str, first_token: bool = False) -> dict[str, Any]:
     """P-leg params in push mode: P pushes the KV for ``pd_request_id``."""
-    return {
+    params: dict[str, Any] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "transfer_mode": TransferMode.PUSH.value,
         "pd_request_id": request_id,
     }
+    if first_token:
+        params["pd_first_token"] = True
+    return params
 
 
 def push_decode_params(identity: PrefillIdentity, request_id: str) -> dict[str, Any]:

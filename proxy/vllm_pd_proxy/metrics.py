@@ -122,6 +122,15 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.first_token = Counter(
+            "pd_proxy_first_token",
+            "Where a disaggregated request's first token came from: path seeded (P's "
+            "token sent at once, D continued from the second), prefill (P's answer was the "
+            "whole answer) or fallback (D computed it, as without "
+            "--first-token-from-prefill), and why it fell back",
+            ["path", "reason"],
+            registry=reg,
+        )
         self.decisions = Counter(
             "pd_proxy_prefill_decisions",
             "Where the prompt was prefilled: remote (P engine) or local (D engine), and why",

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from . import errors
+from . import errors, first_token_flow
 from .affinity import Affinity
 from .backends import Backend
 from .context import RequestContext, log_safe
@@ -64,19 +64,31 @@ async def run_pull(
         # D is picked after P (its load changes meanwhile), but a prefill
         # whose KV no decode engine can take would be wasted work.
         raise errors.no_backend(up.decode.describe_unavailable(), "decode")
-    leg = affinity.with_readback(pull_prefill_params(), turn)
-    p_body = _encode(prefill_body(body, up.sign(leg, ctx, body), ctx.responses))
+    seeding = first_token_flow.decide(up, sink, ctx, body, turn is not None)
+    only_p = seeding and first_token_flow.prefill_only(body, ctx)
+
+    def p_leg(turn: Turn | None) -> bytes:
+        leg = (None if only_p else
+               up.sign(affinity.with_readback(pull_prefill_params(seeding), turn), ctx, body))
+        return _encode(prefill_body(body, leg, ctx.responses, seeding=seeding))
+
     try:
-        answer = await _prefill_with_retry(up, ctx, p_body, headers, avoid_p)
+        answer = await _prefill_with_retry(up, ctx, p_leg(turn), headers, avoid_p)
     except errors.ProxyError as exc:
         if not affinity.readback_failed(ctx, exc, turn):
             raise
-        p_body = _encode(prefill_body(body, up.sign(pull_prefill_params(), ctx, body),
-                                         ctx.responses))
-        answer = await _prefill_with_retry(up, ctx, p_body, headers, avoid_p)
+        answer = await _prefill_with_retry(up, ctx, p_leg(None), headers, avoid_p)
     # Not decoded here: D gets P's params verbatim and decodes them itself
     # (a malformed field is D's 400, naming it); the proxy only needs some.
     params = answer.get("kv_transfer_params")
+    if seeding:
+        given = dict(params, pd_bidirectional=False) if isinstance(params, dict) else None
+        out = await first_token_flow.serve(up, sink, ctx, body, headers, answer, given,
+                                           decode, prefix, list(avoid_d or ()))
+        if out is not None:
+            return out
+        if only_p:
+            raise first_token_flow.no_token_ids(ctx)
     if not isinstance(params, dict) or not params:
         assert ctx.prefill is not None
         raise errors.protocol_error(

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from . import errors
+from . import errors, first_token_flow
 from .admission import PrefillSlot
 from .affinity import Affinity
 from .backends import Backend, PrefillIdentity
@@ -76,11 +76,15 @@ async def run_push(
     tried_p: list[Backend] = list(avoid_p or ())
     tried_d: list[Backend] = list(avoid_d or ())
     first_p, first_d = len(tried_p), len(tried_d)
+    seeding = first_token_flow.decide(up, sink, ctx, body, turn is not None)
     while True:
         # Admitted (a P slot held) before either leg goes out: a queued
         # request has nothing on D yet, so D holds blocks only for admitted ones.
         slot, identity = await _pick_prefill(up, ctx, tried_p)
         try:
+            if seeding:
+                return await _run_seeded(up, sink, ctx, body, headers, decode, prefix, slot,
+                                         identity, tried_d)
             return await _run_legs(
                 up, affinity, sink, ctx, body, headers, decode, prefix, slot, identity,
                 tried_d, turn
@@ -159,6 +163,39 @@ async def _run_legs(
                 rid,
                 log_safe(results[0].message),
             )
+
+
+async def _run_seeded(
+    up: Upstream,
+    sink: StreamSink,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    decode: Backend | None,
+    prefix: tuple[int, ...] | None,
+    slot: PrefillSlot,
+    identity: PrefillIdentity,
+    tried_d: list[Backend],
+) -> web.StreamResponse:
+    """Token #1 from P (:mod:`vllm_pd_proxy.first_token_flow`): P's leg
+    first, D's after P's answer (it needs token #1). P holds the prefill
+    until D registers, so the lost overlap is one registration round trip;
+    D never waits on a prefill that may still fail."""
+    pd_id = f"{ctx.request_id}-{uuid.uuid4().hex[:8]}"
+    only_p = first_token_flow.prefill_only(body, ctx)
+    p_leg = None if only_p else up.sign(push_prefill_params(pd_id, True), ctx, body)
+    p_body = _encode(prefill_body(body, p_leg, ctx.responses, seeding=True))
+    answer = await _prefill_leg(up, ctx, slot, identity, p_body, headers)
+    d_leg = push_decode_params(identity, pd_id)
+    d_leg["pd_bidirectional"] = False
+    out = await first_token_flow.serve(up, sink, ctx, body, headers, answer,
+                                       None if only_p else d_leg, decode, prefix, tried_d)
+    if out is not None:
+        return out
+    if only_p:
+        raise first_token_flow.no_token_ids(ctx)
+    d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body), ctx.decode_extra))
+    return await up.decode_leg(sink, ctx, decode, d_body, headers, prefix, exclude=tried_d)
 
 
 async def _prefill_leg(

@@ -253,6 +253,14 @@ class ClientSink:
         self.response = web.StreamResponse(status=opened.resp.status, headers=headers)
         await self.response.prepare(self._request)
 
+    async def start_events(self, ctx: RequestContext) -> None:
+        """Start the client's stream before any D answered (token #1 from P,
+        :mod:`vllm_pd_proxy.first_token_flow`): 200 and vLLM's content type."""
+        headers = {"Content-Type": SSE_CONTENT_TYPE + "; charset=utf-8",
+                   "X-Request-Id": ctx.request_id, "Cache-Control": "no-cache"}
+        self.response = web.StreamResponse(status=200, headers=headers)
+        await self.response.prepare(self._request)
+
     async def write(self, ctx: RequestContext, events: bytes) -> None:
         assert self.response is not None
         await self.response.write(client_events(ctx, events))

@@ -101,9 +101,15 @@ class StreamTracker:
     track_ids: bool
     prompt_ids: list[int] | None = None
     sent_ids: list[int] = field(default_factory=list)
-    #: Characters of completion text the client got (a continuation's
-    #: logprobs ``text_offset`` starts after them).
+    #: Characters of completion text the client got.
     text_chars: int = 0
+    #: Where the next completions logprobs ``text_offset`` starts: the last
+    #: one the client got plus its token's length (vLLM advances offsets by
+    #: the logprobs' token strings, which ``return_tokens_as_token_ids``
+    #: makes ``token_id:N``); None: no logprobs yet (``text_chars`` then).
+    offset_next: int | None = None
+    #: A continuation's offsets are shifted by this (set when it begins).
+    offset_base: int = 0
     #: A chunk with a finish_reason reached the client.
     finished: bool = False
     #: ``data: [DONE]`` reached the client.
@@ -129,6 +135,9 @@ class StreamTracker:
         """The next events come from a continuation leg."""
         assert self.prompt_ids is not None
         self.base = (len(self.prompt_ids), len(self.sent_ids))
+        # The continuation's own offsets start at 0 and accumulate; the
+        # client's went on from here.
+        self.offset_base = self.text_chars if self.offset_next is None else self.offset_next
 
     def finish_length(self, include_usage: bool) -> bytes:
         """The end of a stream whose every token reached the client but whose
@@ -212,6 +221,7 @@ class StreamTracker:
             text = choice.get("text")
             if isinstance(text, str):
                 self.text_chars += len(text)
+            self._note_offsets(choice.get("logprobs"))
             if choice.get("finish_reason") is not None:
                 self.finished = True
             if self.blank_ids:
@@ -258,9 +268,10 @@ class StreamTracker:
                 one["token_ids"] = ids_out
             logprobs = one.get("logprobs")
             if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
-                shift = self.text_chars
+                shift = self.offset_base
                 logprobs["text_offset"] = [o + shift if type(o) is int else o
                                            for o in logprobs["text_offset"]]
+            self._note_offsets(logprobs)
             self.text_chars += len(text)
             out = self._top(obj)
             out["choices"] = [one]
@@ -271,6 +282,16 @@ class StreamTracker:
         if usage is not None:
             out["usage"] = usage
         return out
+
+    def _note_offsets(self, logprobs: Any) -> None:
+        """Remember where the offsets of the client's next logprobs start."""
+        if not isinstance(logprobs, dict):
+            return
+        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+        if (isinstance(offsets, list) and isinstance(tokens, list) and offsets
+                and len(offsets) == len(tokens) and type(offsets[-1]) is int
+                and isinstance(tokens[-1], str)):
+            self.offset_next = offsets[-1] + len(tokens[-1])
 
     def _top(self, obj: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in obj.items() if k != "choices"}

@@ -46,6 +46,9 @@ class LegMarks:
     #: only D's record is taken out of its params, for the spans).
     in_answer: bool = True
     mode: str = "none"
+    #: Where token #1 came from (``seeded``, ``prefill``, ``fallback:<why>``;
+    #: None: no P leg).
+    first_token: str | None = None
     marks: dict[str, float] = field(default_factory=dict)
     #: D's transfer record, once seen in its answer.
     transfer: dict[str, Any] | None = None
@@ -56,8 +59,10 @@ class LegMarks:
         self.marks[name] = round((now - self.started) * 1e3, 3)
 
     def as_field(self, request_id: str) -> dict[str, Any]:
-        return {"request_id": request_id, "proxy": {"mode": self.mode, **self.marks},
-                "transfer": self.transfer}
+        proxy: dict[str, Any] = {"mode": self.mode, **self.marks}
+        if self.first_token is not None:
+            proxy["first_token"] = self.first_token
+        return {"request_id": request_id, "proxy": proxy, "transfer": self.transfer}
 
 
 def _rewrite(body: dict[str, Any], marks: LegMarks, request_id: str, keep_kv: bool

@@ -36,6 +36,9 @@ LOGPROB_TOL = 0.02
 #: without which vLLM refuses ``tool_choice`` (the tiny tokenizer suits hermes).
 SERVE_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
+#: D's counter of every prompt token it saw (loaded or computed).
+D_PROMPT_TOKENS = "vllm:prompt_tokens_total"
+
 #: Keys that differ between any two answers by construction.
 _VOLATILE = frozenset({"id", "created", "system_fingerprint", "kv_transfer_params",
                        "pd_telemetry", "metrics", "service_tier",
@@ -56,6 +59,9 @@ class Kv(enum.Enum):
     LOCAL = "local"
     #: The request is refused, by both, before anything runs.
     NONE = "none"
+    #: P's answer is the whole answer (one token; token #1 from P): D gets
+    #: no leg, computes and loads nothing.
+    PREFILL = "prefill"
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,8 @@ _SAMPLED = {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "seed"
 CASES: list[Case] = [
     Case("greedy", _c(1)),
     Case("greedy_stream", _c(2, stream=True)),
-    Case("max_tokens_1", _c(3, max_tokens=1)),
+    Case("max_tokens_1", _c(3, max_tokens=1), kv=Kv.PREFILL,
+         notes="token #1 from P is the whole answer: P serves it without a handoff"),
     Case("long_decode", _c(4, max_tokens=200, ignore_eos=True)),
     Case("text_prompt", {"prompt": _WORDS, "max_tokens": 10, "temperature": 0,
                          "return_token_ids": True}),
@@ -334,7 +341,8 @@ def _outputs(answer: Any, stream: bool) -> list[Output]:
             tokens.setdefault(i, []).extend(choice.get("token_ids") or ())
             message = choice.get("message") or choice.get("delta") or {}
             texts[i] = texts.get(i, "") + (choice.get("text") or message.get("content") or "")
-    return [Output(prompts.get(i, []), tokens[i], texts.get(i, "")) for i in sorted(tokens)]
+    return [Output(tuple(prompts.get(i, [])), tuple(tokens[i]), texts.get(i, ""), None)
+            for i in sorted(tokens)]
 
 
 # ------------------------------------------------------------------ the check
@@ -368,14 +376,21 @@ def check_case(case: Case, ref: Engine, front_url: str, d: Engine, model: str) -
         # Greedy tokens may differ at a near-tie (bf16 rounding): the oracle judges.
         w_out, g_out = _outputs(want, case.stream), _outputs(got, case.stream)
         assert len(w_out) == len(g_out) and w_out, (case.name, diffs[:8])
-        for w, g in zip(w_out, g_out, strict=True):
-            assert_same_as_reference(ref, g, w)
+        exact = [assert_same_as_reference(ref, g, w).exact
+                 for w, g in zip(w_out, g_out, strict=True)]
+        # The same tokens: nothing else may differ (offsets, usage, texts).
+        assert not all(exact), f"{case.name}: same tokens, yet answers differ: {diffs[:8]}"
         verdict = f"near-tie equal ({len(diffs)} fields differ: {diffs[0]})"
     prompt_tokens = _prompt_tokens(want, case)
     if case.kv is Kv.MOVED:
         assert moved == prompt_tokens, (
             f"{case.name}: D loaded {moved} prompt tokens from P, expected every one of "
             f"the {case.prompts} prompt(s)' {prompt_tokens} (did D recompute?)")
+    elif case.kv is Kv.PREFILL:
+        computed = delta(before, after, D_PROMPT_TOKENS)
+        assert moved == 0 and computed == 0, (
+            f"{case.name}: D loaded {moved} and computed {computed} prompt tokens; expected "
+            "no D leg (P's answer is the whole answer)")
     else:
         assert moved == 0, f"{case.name}: D loaded {moved} tokens, expected to compute"
     return f"{case.name}: {verdict}; D loaded {int(moved)} prompt tokens from P"

@@ -135,10 +135,11 @@ def sse_events(resp: sse.Readable) -> list[Any]:
 
 @contextlib.contextmanager
 def open_stream(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None,
-                timeout: float = 60) -> Iterator[dict[str, Any]]:
-    """POST ``body`` (streamed) and hold the stream open once its first event
-    came (generation under way), yielding that event; leaving the block closes
-    the connection, as a client that goes away mid-stream."""
+                timeout: float = 60, events: int = 1) -> Iterator[dict[str, Any]]:
+    """POST ``body`` (streamed) and hold the stream open once its first
+    ``events`` events came (generation under way; token #1 comes from P, so
+    ``events`` > 1 waits for D's), yielding the first; leaving the block
+    closes the connection, as a client that goes away mid-stream."""
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=timeout)
     try:
@@ -146,8 +147,12 @@ def open_stream(url: str, body: dict[str, Any], headers: Mapping[str, str] | Non
                      {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()[:300]
-        first = next(sse.response_events(resp), None)
+        stream = sse.response_events(resp)
+        first = next(stream, None)
         assert first is not None and first.kind is sse.Kind.CHUNK, first
+        for _ in range(events - 1):
+            more = next(stream, None)
+            assert more is not None and more.kind is sse.Kind.CHUNK, more
         yield first.data
     finally:
         conn.close()

@@ -5,8 +5,11 @@ mid-stream behind the proxy (the stream continues on another D)."""
 from __future__ import annotations
 
 import http.client
+import http.server
 import json
+import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -26,11 +29,13 @@ from tests.e2e.helpers import (
     pd_complete,
     poke,
     prefill,
+    stream_text,
     token_prompt,
 )
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
 from vllm_pd_ext.tools import sse
+from vllm_pd_ext.tools.launch import free_port
 from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
@@ -245,6 +250,106 @@ def test_n2_on_one_p_answer_loads_once_and_both_children_answer(
     p_after = p.metrics()
     assert p_after["vllm:kv_cache_usage_perc"] == 0.0  # every lease released...
     assert delta(p_before, p_after, "vllm:pd_ext_lease_expiries_total") == 0  # ...not expired
+
+
+class _DeadSideChannelP:
+    """A stand-in for P's HTTP server: it forwards every request to the real
+    P, but its answers' ``kv_transfer_params`` name a side channel nobody
+    listens on, so D's load fails after token #1 already reached the
+    client (issue 29). P's lease is never pinned and expires. (Its tests
+    run before ``test_p_killed_before_d_reads``, which kills that P.)"""
+
+    def __init__(self, real: Engine) -> None:
+        dead = free_port()  # nothing listens on it
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            # Keep-alive, as vLLM's server: the proxy's pool reuses connections.
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self, data: bytes | None) -> None:
+                req = urllib.request.Request(real.url + self.path, data=data,
+                                             method=self.command,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        status, body = r.status, r.read()
+                except urllib.error.HTTPError as exc:
+                    status, body = exc.code, exc.read()
+                if data is not None and status == 200:
+                    answer = json.loads(body)
+                    if isinstance(answer.get("kv_transfer_params"), dict):
+                        answer["kv_transfer_params"]["remote_port"] = dead
+                    body = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                self._forward(self.rfile.read(int(self.headers["Content-Length"])))
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _DeadSideChannelP:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("case", ["d_recompute", "d_fail_migrates", "d_fail_no_migration"])
+def test_d_load_failing_after_token_one_never_duplicates_or_loses_a_token(
+        fail_engines: dict[str, Engine], d: Engine, ref: Engine, model: str,
+        case: str) -> None:
+    """Token #1 came from P and reached the client; then D's load fails.
+    A recompute-policy D recomputes the prompt and token #1 itself and
+    streams the rest; a fail-policy D's failure is a mid-stream failure the
+    proxy continues (the rest from a local prefill of prompt + sent tokens)
+    or, with --max-migrations 0, ends with one clean error event. Never a
+    token twice or missing; nothing held afterwards."""
+    p = fail_engines["p"]
+    decode = fail_engines["d_recompute"] if case == "d_recompute" else d
+    prompt = token_prompt(150, seed=29)
+    _, want = ref.post("/v1/completions", completion_body(model, prompt, max_tokens=16,
+                                                          ignore_eos=True))
+    body = completion_body(model, prompt, max_tokens=16, ignore_eos=True, stream=True)
+    args = [] if case == "d_fail_migrates" else ["--max-migrations", "0"]
+    with _DeadSideChannelP(p) as fake_p:
+        px = Proxy([fake_p.url], [decode.url], log_dir(f"proxy-load-fail-{case}"),
+                   args=args).start()
+        try:
+            px.wait_ready()
+            before = decode.metrics()
+            _, events = stream_text(px.url + "/v1/completions", body)
+            after = decode.metrics()
+            with urllib.request.urlopen(px.url + "/metrics", timeout=10) as r:
+                proxy_metrics = r.read().decode()
+        finally:
+            px.stop()
+    assert 'pd_proxy_first_token_total{path="seeded",reason=""} 1.0' in proxy_metrics
+    assert events[-1] == "[DONE]"
+    assert delta(before, after, EXTERNAL) == 0  # no KV arrived: the load failed
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    got = stream_output([e for e in events if isinstance(e, dict) and "error" not in e])
+    if case == "d_fail_no_migration":
+        assert len(errors) == 1 and events[-2] is errors[0], events[-3:]
+        assert got.tokens == tuple(want["choices"][0]["token_ids"][:1])  # token #1 once
+    else:
+        assert not errors, errors
+        assert len(got.tokens) == 16, "a token was duplicated or lost"
+        assert_same_as_reference(ref, got, want)
+    assert_nothing_held([p], [decode], model, LEASE_S + 10, f"after the failed load ({case})")
 
 
 def test_p_killed_before_d_reads(fail_engines: dict[str, Engine], d: Engine, ref: Engine,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -75,6 +76,65 @@ def test_chat_completion_through_proxy(ref: Engine, d: Engine, proxy: Proxy, mod
     assert delta(before, after, EXTERNAL) == got["usage"]["prompt_tokens"] > 0
 
 
+def first_token_paths(proxy: Proxy) -> dict[str, float]:
+    """``pd_proxy_first_token_total`` by ``path[:reason]``."""
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'pd_proxy_first_token_total\{path="([^"]*)",reason="([^"]*)"\} (\S+)',
+                     line)
+        if m:
+            out[m[1] + (f":{m[2]}" if m[2] else "")] = float(m[3])
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_first_token_from_p_then_d_equals_collocated(ref: Engine, d: Engine, proxy: Proxy,
+                                                     model: str, chat: bool, stream: bool
+                                                     ) -> None:
+    """Token #1 is P's, D continues from token #2 (no recompute of token #1):
+    every token, the finish reason and the usage equal the collocated
+    engine's, and D loaded P's whole prompt as KV."""
+    if chat:
+        path = "/v1/chat/completions"
+        body: dict = {"model": model, "temperature": 0, "max_tokens": 12,
+                      "return_token_ids": True, "messages": [
+                          {"role": "user", "content": f"Seeded {stream} " * 40}]}
+    else:
+        path = "/v1/completions"
+        body = completion_body(model, token_prompt(230, seed=27 + stream), max_tokens=12,
+                               ignore_eos=True)
+    _, want = ref.post(path, body)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    paths, before = first_token_paths(proxy), d.metrics()
+    if stream:
+        _, events = stream_text(proxy.url + path, body)
+        got = stream_output(events)
+        assert events[-1] == "[DONE]"
+        usage = events[-2]["usage"]
+        if chat:
+            assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+        assert len({e["id"] for e in events[:-1]}) == 1
+    else:
+        status, answer = proxy.post(path, body)
+        assert status == 200, answer
+        got, usage = answer, answer["usage"]
+    after = d.metrics()
+    assert_same_as_reference(ref, got, want)
+    prompt_tokens = want["usage"]["prompt_tokens"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [usage[k] for k in counts] == [want["usage"][k] for k in counts]
+    assert (got.finish_reason if stream else got["choices"][0]["finish_reason"]) == \
+        want["choices"][0]["finish_reason"]
+    assert delta(before, after, EXTERNAL) == prompt_tokens  # KV moved, P's prompt
+    now = first_token_paths(proxy)
+    assert now.get("seeded", 0) - paths.get("seeded", 0) == 1, now
+
+
 def test_prompt_longer_than_context_returns_backend_4xx(proxy: Proxy, p: Engine, model: str
                                                         ) -> None:
     body = completion_body(model, token_prompt(2100, seed=23), max_tokens=4)
@@ -93,7 +153,8 @@ def test_client_disconnect_aborts_the_decode_leg(d: Engine, proxy: Proxy, model:
     body = completion_body(model, token_prompt(200, seed=24), max_tokens=1500,
                            ignore_eos=True, stream=True)
     before = d.metrics()
-    with open_stream(proxy.url + "/v1/completions", body):  # generation under way on D
+    # Token #1 comes from P, then D's tokens: generation under way on D.
+    with open_stream(proxy.url + "/v1/completions", body, events=3):
         assert d.metrics()["vllm:num_requests_running"] == 1
     # The client went away.
     deadline = time.monotonic() + 20
@@ -132,7 +193,10 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
     assert len(tele) == 1, events
     assert not any("kv_transfer_params" in e for e in events if isinstance(e, dict))
     proxy_t, rec = tele[0]["proxy"], tele[0]["transfer"]
-    assert proxy_t["mode"] == "pull"
+    assert proxy_t["mode"] == "pull" and proxy_t["first_token"] == "seeded"
+    # Token #1 reached the client when P answered, before D's first byte.
+    assert proxy_t["prefill_done_ms"] <= proxy_t["first_token_ms"] < proxy_t[
+        "decode_first_byte_ms"]
     assert (0 <= proxy_t["prefill_sent_ms"] < proxy_t["prefill_done_ms"]
             <= proxy_t["decode_sent_ms"] < proxy_t["decode_first_byte_ms"])
     assert rec["outcome"] == "ok" and rec["mode"] == "pull"

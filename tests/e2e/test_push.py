@@ -463,8 +463,10 @@ def test_client_disconnect_through_proxy_frees_blocks_on_both_engines(
     body = completion_body(model, token_prompt(200, seed=75), max_tokens=1500,
                            ignore_eos=True, stream=True)
     before = d.metrics()
-    with open_stream(proxy.url + "/v1/completions", body):
-        pass  # decoding on D, with pushed KV; then the client goes away
+    # Token #1 comes from P, then D's tokens: decoding on D, with pushed KV;
+    # then the client goes away.
+    with open_stream(proxy.url + "/v1/completions", body, events=3):
+        pass
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         m = d.metrics()

@@ -46,6 +46,10 @@ async def proxy() -> AsyncIterator[Callable[..., Awaitable[TestClient[Any, Any]]
         # The tests of one leg's failure see it reach the client, as with
         # --max-migrations 0; test_migration.py runs the default (2).
         kwargs.setdefault("max_migrations", 0)
+        # The legs' shapes and push's concurrent legs are those of the path
+        # on which D computes token #1; test_first_token_flow.py runs the
+        # default (token #1 from P).
+        kwargs.setdefault("first_token_from_prefill", False)
         config = ProxyConfig(
             prefill=tuple(e.url for e in prefill),
             decode=tuple(e.url for e in decode),

@@ -125,6 +125,35 @@ def test_continuation_is_spliced_into_the_original_stream() -> None:
     assert t.sent_ids == [7, 8, 9]
 
 
+def _lp(tokens: list[str], offsets: list[int]) -> dict[str, Any]:
+    return {"tokens": tokens, "token_logprobs": [-0.1] * len(tokens),
+            "top_logprobs": None, "text_offset": offsets}
+
+
+def test_continuation_offsets_shift_by_a_constant_past_what_the_client_got() -> None:
+    """D's continuation offsets are already cumulative in its own stream:
+    each chunk shifts by where the client's offsets stood when it began
+    (once, a shift by the growing text counted the continuation twice)."""
+    t = StreamTracker(chat=False, blank_ids=True, track_ids=True)
+    t.feed(ev(cmpl("ab", [7], prompt=[1], logprobs=_lp(["ab"], [0]))))
+    t.begin_continuation()
+    out, _ = t.feed(ev(cmpl("cd", [8], rid="x", logprobs=_lp(["cd"], [0])))
+                    + ev(cmpl("ef", [9], rid="x", logprobs=_lp(["ef"], [2]))))
+    first, second = parse(out)
+    assert first["choices"][0]["logprobs"]["text_offset"] == [2]
+    assert second["choices"][0]["logprobs"]["text_offset"] == [4]
+
+
+def test_token_id_strings_advance_the_offsets_not_the_text() -> None:
+    """With ``return_tokens_as_token_ids`` vLLM's offsets follow the
+    ``token_id:N`` strings, so the continuation starts after the last of them."""
+    t = StreamTracker(chat=False, blank_ids=True, track_ids=True)
+    t.feed(ev(cmpl("a", [7], prompt=[1], logprobs=_lp(["token_id:7"], [0]))))
+    t.begin_continuation()
+    out, _ = t.feed(ev(cmpl("b", [8], rid="x", logprobs=_lp(["token_id:8"], [0]))))
+    assert parse(out)[0]["choices"][0]["logprobs"]["text_offset"] == [len("token_id:7")]
+
+
 def test_chat_continuation_becomes_chat_chunks() -> None:
     t = StreamTracker(chat=True, blank_ids=True, track_ids=True)
     t.feed(ev({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",

@@ -86,14 +86,27 @@ def _chunk(chat: bool, rid: str, text: str, ids: list[int] | None, finish: str |
                          "token_ids": ids}]}
 
 
+def _usage(prompt: list[int], n: int) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt), "completion_tokens": n,
+            "total_tokens": len(prompt) + n}
+
+
 class TokenEngine:
     """The override: ``await engines("decode", override=TokenEngine())``."""
 
     def __init__(self, faults: Faults | None = None, delay: float = 0.0,
-                 kv_params: dict[str, Any] | None = None) -> None:
+                 kv_params: dict[str, Any] | None = None, stop_first: bool = False,
+                 gate: asyncio.Event | None = None, pd_ext: bool = True) -> None:
         self.faults = faults or Faults()
         self.delay = delay
         self.kv_params = kv_params
+        #: A prefill engine: its first token ends the answer (EOS).
+        self.stop_first = stop_first
+        #: A decode engine: answers nothing until the gate is set.
+        self.gate = gate
+        #: A prefill engine: answers as vllm_pd_ext's P (a prompt digest in
+        #: its params), not as vLLM's NixlConnector.
+        self.pd_ext = pd_ext
         self.legs = 0
         self.bodies: list[dict[str, Any]] = []
 
@@ -104,6 +117,34 @@ class TokenEngine:
         if f.times is not None:
             f.times -= 1
         return f
+
+    def _prefill_answer(self, engine: FakeEngine, chat: bool, rid: str, prompt: list[int],
+                        token: int, body: dict[str, Any], with_ids: bool) -> dict[str, Any]:
+        """P's one-token answer as vLLM gives it; the KV handed over only for
+        a leg that asked (``kv_transfer_params``) and did not stop at token
+        #1 under ``pd_first_token`` (as vllm_pd_ext's P)."""
+        finish = "stop" if self.stop_first else "length"
+        text = text_of(token)
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                                  if chat else {"index": 0, "text": text, "logprobs": None})
+        choice["finish_reason"] = finish
+        choice["stop_reason"] = None
+        answer: dict[str, Any] = {"id": rid, "object": "chat.completion" if chat
+                                  else "text_completion", "created": 7, "model": "m",
+                                  "choices": [choice], "usage": _usage(prompt, 1)}
+        if with_ids:
+            choice["token_ids"] = [token]
+            if chat:
+                answer["prompt_token_ids"] = prompt
+            else:
+                choice["prompt_token_ids"] = prompt
+        leg = body.get("kv_transfer_params")
+        stopped = self.stop_first and isinstance(leg, dict) and leg.get("pd_first_token")
+        if engine.kv_params is not None and isinstance(leg, dict) and not stopped:
+            answer["kv_transfer_params"] = dict(engine.kv_params)
+            if self.pd_ext:
+                answer["kv_transfer_params"]["remote_prompt_digest"] = "d" * 32
+        return answer
 
     async def __call__(self, engine: FakeEngine, request: web.Request,
                        body: dict[str, Any]) -> web.StreamResponse:
@@ -120,18 +161,18 @@ class TokenEngine:
         with_ids = bool(body.get("return_token_ids"))
         rid = f"cmpl-{engine.engine_id}-{self.legs}"
         if engine.role == "prefill":
-            answer = {"id": rid, "object": "text_completion", "model": "m",
-                      "choices": [{"index": 0, "text": text_of(tokens[0]),
-                                   "finish_reason": "length"}]}
-            if engine.kv_params is not None:
-                answer["kv_transfer_params"] = engine.kv_params
-            return web.json_response(answer)
+            return web.json_response(self._prefill_answer(engine, chat, rid, prompt, tokens[0],
+                                                          body, with_ids))
+        if self.gate is not None:
+            await self.gate.wait()
         if not body.get("stream"):
             text = "".join(text_of(t) for t in tokens)
             choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant",
                                                                "content": text}}
                                       if chat else {"index": 0, "text": text})
             choice["finish_reason"] = "length"
+            if with_ids:
+                choice["token_ids"] = tokens
             return web.json_response({"id": rid, "object": "x", "model": "m",
                                       "choices": [choice],
                                       "usage": {"prompt_tokens": len(prompt),

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.tools.slo.breakdown import summarize_breakdowns, ttft_breakdown
+from vllm_pd_ext.tools.slo.breakdown import (
+    handoff_of,
+    summarize_breakdowns,
+    summarize_handoffs,
+    ttft_breakdown,
+)
 from vllm_pd_ext.tools.slo.metrics import RequestResult
 
 
@@ -74,3 +79,48 @@ def test_summarize_breakdowns_medians_p99_and_exclusions():
                      "prefill_ms": {"p50": None, "p99": None},
                      "handoff_ms": {"p50": None, "p99": None},
                      "first_step_ms": {"p50": None, "p99": None}}
+
+
+def _streamed(tele, itl=(0.012, 0.003, 0.004, 0.005), ok=True, warmup=False):
+    return RequestResult(index=0, scheduled_s=0, sent_s=0, prompt_tokens=300, output_tokens=5,
+                         ok=ok, ttft_s=0.036, e2e_s=0.06, itl_s=list(itl), telemetry=tele,
+                         warmup=warmup)
+
+
+def test_handoff_of_a_seeded_pull_request_by_hand():
+    tele = telemetry()
+    tele["proxy"]["first_token"] = "seeded"
+    tele["transfer"]["read_ms"] = 2.0
+    h = handoff_of(_streamed(tele))
+    assert h == pytest.approx({
+        "first_gap_ms": 12.0, "decode_step_ms": 4.0,  # the median of 3, 4, 5 ms
+        "transfer_ms": 2.0, "gap_ratio": 2.0,  # 12 / (2 + 4)
+        "handoff_ms": 9.5, "orchestration_ms": 7.5})  # 35.6 + 9.1 - 35.2; minus the READ
+
+
+def test_push_handoff_takes_the_write_wait_as_the_bytes_time():
+    tele = telemetry("push", decode_sent=36.0, kv_ready=3.0)
+    tele["transfer"]["write_wait_ms"] = 2.5
+    h = handoff_of(_streamed(tele))
+    assert h is not None and h["transfer_ms"] == 2.5
+    assert h["handoff_ms"] == pytest.approx(3.8) and h["orchestration_ms"] == pytest.approx(1.3)
+
+
+def test_no_handoff_without_a_transfer_time_or_two_gaps():
+    assert handoff_of(_streamed(telemetry())) is None  # neither read_ms nor write_wait_ms
+    tele = telemetry()
+    tele["transfer"]["read_ms"] = 1.0
+    assert handoff_of(_streamed(tele, itl=(0.01,))) is None
+    assert handoff_of(_streamed(None)) is None
+
+
+def test_summarize_handoffs_counts_the_seeded_and_skips_failures():
+    seeded = telemetry()
+    seeded["proxy"]["first_token"] = "seeded"
+    seeded["transfer"]["read_ms"] = 1.0
+    plain = telemetry()
+    plain["transfer"]["read_ms"] = 3.0
+    out = summarize_handoffs([_streamed(seeded), _streamed(plain), _streamed(seeded, ok=False),
+                              _streamed(seeded, warmup=True)])
+    assert out["count"] == 2 and out["seeded"] == 1
+    assert out["transfer_ms"]["p50"] == pytest.approx(2.0)

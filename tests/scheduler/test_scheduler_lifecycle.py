@@ -11,6 +11,7 @@ import time
 import pytest
 from pdsched import (
     BLOCK_SIZE,
+    EOS_TOKEN_ID,
     SCHEDULING_MODES,
     assert_scheduler_empty,
     create_request,
@@ -263,6 +264,37 @@ def test_p_aborted_prefill_hands_nothing_over(make_scheduler):
     sched.schedule()
     sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
     assert len(pd(sched).leases.table) == 0
+    assert_empty_after_step(sched)
+
+
+@pytest.mark.parametrize("first_token", [True, False])
+def test_p_prefill_stopped_at_token_one_hands_over_only_without_pd_first_token(
+        make_scheduler, first_token):
+    """Token #1 is EOS. With ``pd_first_token`` the proxy sends it itself and
+    no D leg follows: no lease, every block free at once. Without it (today's
+    path: D recomputes token #1) P lends the blocks as for ``length``."""
+    sched = make_scheduler("kv_producer")
+    total_free = num_free(sched)
+    params = {"do_remote_decode": True, **({"pd_first_token": True} if first_token else {})}
+    req = create_request(100, kv_transfer_params=params, max_tokens=4)
+    sched.add_request(req)
+    finals = []
+    for _ in range(10):
+        _, core = step(sched, token_id=EOS_TOKEN_ID)
+        finals += [o for o in outputs_of(settle(sched, core))
+                   if o.request_id == req.request_id and o.finish_reason is not None]
+        if req.is_finished():
+            break
+    assert req.status is RequestStatus.FINISHED_STOPPED
+    assert len(finals) == 1
+    if first_token:
+        assert finals[0].kv_transfer_params is None
+        assert len(pd(sched).leases.table) == 0
+        assert num_free(sched) == total_free
+    else:
+        assert finals[0].kv_transfer_params["remote_num_tokens"] == 100
+        assert len(pd(sched).leases.table) == 1
+        assert pd(sched).leases.table.release(req.request_id)
     assert_empty_after_step(sched)
 
 
@@ -745,3 +777,46 @@ def test_d_refuses_a_p_answer_made_for_another_prompt(make_scheduler, fake_p):
     step(d, finished_recving={req.request_id}, failed_recving={req.request_id})
     assert pd(d).heartbeats.num_lanes == 0
     assert_empty_after_step(d)
+
+
+@pytest.mark.parametrize("p_tokens", [100, 4 * BLOCK_SIZE])
+def test_d_with_a_seeded_token_loads_p_prompt_and_computes_only_the_seed(
+        make_scheduler, p_tokens):
+    """Issue 29 (token #1 from P): D's prompt is P's prompt plus the token P
+    sampled. D loads P's KV for P's prompt only (its digest checked over
+    that part), then computes the one seeded token (a decode step's work,
+    sampling token #2), never P's last prompt token again."""
+    sched = make_scheduler()
+    prompt = [3 + i % 500 for i in range(p_tokens)] + [777]
+    blocks = -(-p_tokens // BLOCK_SIZE)
+    req = create_request(0, prompt=prompt, max_tokens=2, kv_transfer_params=remote_params(
+        free_port(), blocks, num_tokens=p_tokens, pd_seeded_tokens=1,
+        remote_prompt_digest=auth.token_digest(prompt[:-1])))
+    meta = admit_remote(sched, req)
+    assert meta.reqs_to_fail == {}
+    (spec,) = meta.reqs_to_recv
+    assert spec.num_tokens == p_tokens and len(spec.remote_block_ids) == blocks
+    assert len(spec.local_block_ids) == blocks
+    step(sched, finished_recving={req.request_id})
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {req.request_id: 1}  # the seeded token only
+    assert req.num_computed_tokens >= p_tokens
+    run_until_finished(sched, req)
+    assert_empty_after_step(sched)
+
+
+def test_d_refuses_seeded_tokens_that_leave_no_prompt_or_another_prefix(make_scheduler):
+    sched = make_scheduler(policy="fail")
+    whole = create_request(1, prompt=[9], kv_transfer_params=remote_params(
+        free_port(), 1, pd_seeded_tokens=1))
+    meta = admit_remote(sched, whole)
+    assert "pd_seeded_tokens=1 leaves no prompt" in meta.reqs_to_fail[whole.request_id][1]
+    step(sched, finished_recving={whole.request_id}, failed_recving={whole.request_id})
+    prompt = list(range(40, 140))
+    other = create_request(0, prompt=prompt, kv_transfer_params=remote_params(
+        free_port(), 4, num_tokens=99, pd_seeded_tokens=1,
+        remote_prompt_digest=auth.token_digest(prompt)))  # the digest of the whole prompt
+    meta = admit_remote(sched, other)
+    assert "another prompt" in meta.reqs_to_fail[other.request_id][1]
+    step(sched, finished_recving={other.request_id}, failed_recving={other.request_id})
+    assert_empty_after_step(sched)

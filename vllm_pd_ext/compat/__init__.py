@@ -81,6 +81,7 @@ __all__ = [
     "is_cpu_platform",
     "is_finished_ok",
     "is_rejection_notice",
+    "is_stopped",
     "kernel_blocks_per_block",
     "kv_layout_name",
     "kv_ready_token_ids",
@@ -161,6 +162,11 @@ def speculative_problem(vllm_config: Any) -> str | None:
 def is_finished_ok(request: Any) -> bool:
     """P hands blocks over only for prefills that finished normally."""
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def is_stopped(request: Any) -> bool:
+    """The request ended on a stop condition (EOS, a stop token or string)."""
+    return bool(request.status == RequestStatus.FINISHED_STOPPED)
 
 
 def is_rejection_notice(request: Any) -> bool:

@@ -73,6 +73,13 @@ class DMode(Protocol):
         """Requests whose KV this half still waits for (``poll`` has work)."""
 
 
+def p_prompt(request: Any, params: KVTransferParams) -> list[int]:
+    """The part of D's prompt that P prefilled: all of it, less the tokens P
+    sampled and the proxy seeded after it (``pd_seeded_tokens``)."""
+    ids = list(request.prompt_token_ids or ())
+    return ids[:len(ids) - params.pd_seeded_tokens]
+
+
 def lease_key(params: KVTransferParams) -> str:
     """The id both engines know the lease by: the proxy's ``pd_request_id`` in
     push mode, P's request id (``remote_request_id``) in pull mode."""
@@ -151,9 +158,15 @@ class DRequests:
         if leg.refused or params is None:
             self._refuse(rid, leg.problem)
             return
+        if params.pd_seeded_tokens and params.pd_seeded_tokens >= len(
+                request.prompt_token_ids or ()):
+            self._refuse(rid, f"kv_transfer_params.pd_seeded_tokens={params.pd_seeded_tokens} "
+                         f"leaves no prompt for P's KV (the prompt has "
+                         f"{len(request.prompt_token_ids)} tokens)")
+            return
         digest = params.remote_prompt_digest
         if (digest and not compat.is_rejection_notice(request)
-                and digest != auth.token_digest(request.prompt_token_ids)):
+                and digest != auth.token_digest(p_prompt(request, params))):
             self._refuse(rid, "kv_transfer_params come from the prefill of another prompt "
                          "(P's prompt digest differs from this request's): its KV would "
                          "not match")
@@ -235,7 +248,9 @@ class DRequests:
             return 0, False
         if d.state is not LoadState.WAITING:
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        # P's KV covers its prompt; seeded tokens after it are D's to compute.
+        seeded = d.params.pd_seeded_tokens if d.params is not None else 0
+        count = request.num_prompt_tokens - seeded - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def allocate(self, request: Any, local_blocks: list[int], num_external_tokens: int) -> None:
@@ -250,9 +265,10 @@ class DRequests:
             if d.in_flight:
                 self.out.fail[rid] = (FailureReason.BAD_PARAMS.value, d.bad)
             return
+        p_tokens = p_prompt(request, d.params)
         spec = self.mode_half.allocate(
-            rid, d.params, request.num_prompt_tokens, num_external_tokens, local_blocks,
-            prompt_digest=auth.token_digest(request.prompt_token_ids))
+            rid, d.params, len(p_tokens), num_external_tokens, local_blocks,
+            prompt_digest=auth.token_digest(p_tokens))
         d.allocate(loading=spec is not None)
         if spec is None or isinstance(spec, LayoutProblem):
             self.heartbeats.untrack(rid)  # P was told it is not needed

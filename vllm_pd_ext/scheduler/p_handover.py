@@ -63,6 +63,14 @@ def hand_over(p_mode: PMode, identity: KVTransferParams, request: Any, block_ids
         p_mode.retire(key)
     if kind is Leg.PROBE:
         return answer_params(identity)
+    if params.pd_first_token and compat.is_stopped(request):
+        # The proxy sends this token #1 itself and it ended the answer: no D
+        # leg follows, so a lease would only hold the blocks until it expired.
+        logger.debug("PDConnector: prefill %s stopped at its first token; no KV handed "
+                     "over (the answer is complete)", rid)
+        if ours:
+            p_mode.prefill_failed(key, rid, "stopped at its first token")
+        return None
     if not compat.is_finished_ok(request) or not block_ids:
         logger.info("PDConnector: prefill %s ended with %s; no KV handed over", rid,
                     request.status)

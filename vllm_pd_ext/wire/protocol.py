@@ -51,6 +51,9 @@ MAX_IDS_PER_MESSAGE: Final = 4096
 MAX_BLOCKS: Final = 1 << 20
 MAX_TP_SIZE: Final = 1024
 MAX_TTL_S: Final = 3600.0
+#: Tokens P sampled that a D leg's prompt carries after P's prompt (token #1
+#: from P, issue 29): D loads P's prompt and computes only these.
+MAX_SEEDED_TOKENS: Final = 1
 #: A DNS name (labels of letters, digits, ``-``, ``_``), an IPv4 address or
 #: an IPv6 literal (optionally bracketed). Excludes what would change the
 #: meaning of ``tcp://HOST:PORT`` (spaces, ``/``, ``@``, non-ASCII).
@@ -181,6 +184,14 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     #: absent (an upstream proxy): the engine's ``bidirectional_kv_xfer`` decides,
     #: on an engine without a shared secret only (``bidir.wants_keep``).
     pd_bidirectional: bool | None = None
+    #: D leg: the last ``pd_seeded_tokens`` of D's prompt are tokens P
+    #: sampled (the proxy already sent them to the client); P's KV covers the
+    #: prompt before them, and D computes them in its first step.
+    pd_seeded_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEEDED_TOKENS)] = 0
+    #: P leg: the proxy sends P's token #1 to the client itself, so a prefill
+    #: whose token #1 ended the answer (EOS, a stop token) is the whole answer
+    #: and hands nothing over (no lease for a D leg that will never come).
+    pd_first_token: bool = False
 
     @property
     def is_readback(self) -> bool:

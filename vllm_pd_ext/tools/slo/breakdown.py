@@ -74,3 +74,71 @@ def summarize_breakdowns(results: Iterable[RequestResult]) -> dict[str, Any]:
         xs = [row[name] for row in rows]
         out[name] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
     return out
+
+
+HANDOFF = ("first_gap_ms", "decode_step_ms", "transfer_ms", "gap_ratio", "handoff_ms",
+           "orchestration_ms")
+
+
+def handoff_of(result: RequestResult) -> dict[str, float] | None:
+    """One disaggregated request's handoff, as the client and the telemetry
+    saw it (None: no telemetry with a transfer record, or fewer than 3
+    tokens):
+
+    - ``first_gap_ms``: token #1 to token #2 at the client. With token #1
+      from P (``pd_telemetry.proxy.first_token`` ``seeded``) the handoff
+      happens inside this gap; otherwise inside TTFT;
+    - ``decode_step_ms``: the request's median gap after that (one decode step);
+    - ``transfer_ms``: the bytes' own time: pull's READ (``read_ms``); push's
+      wait for P's WRITE (``write_wait_ms``: P's post, the WRITE and its
+      notification, so push's orchestration below is a lower bound);
+    - ``gap_ratio``: ``first_gap / (transfer + decode_step)`` (1: nothing
+      beyond the bytes and the step that needs them);
+    - ``handoff_ms``: P's answer to D's KV ready (proxy and D clocks);
+    - ``orchestration_ms``: ``handoff - transfer``, what the handoff costs
+      beyond the bytes: D's leg, its scheduling, the pin round trip, the
+      wait for a step to start the load and to see it done.
+    """
+    tele = result.telemetry
+    if not isinstance(tele, Mapping) or len(result.itl_s) < 2:
+        return None
+    proxy, transfer = tele.get("proxy"), tele.get("transfer")
+    if not isinstance(proxy, Mapping) or not isinstance(transfer, Mapping):
+        return None
+    done = _number(proxy, "prefill_done_ms")
+    sent = _number(proxy, "decode_sent_ms")
+    ready = _number(transfer, "kv_ready_ms")
+    moved = _number(transfer, "read_ms")
+    if moved is None:
+        moved = _number(transfer, "write_wait_ms")
+    if done is None or sent is None or ready is None or moved is None:
+        return None
+    rest = sorted(result.itl_s[1:])
+    step = rest[len(rest) // 2] * 1000
+    gap = result.itl_s[0] * 1000
+    handoff = max(0.0, sent + ready - done)
+    return {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
+            "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
+            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved)}
+
+
+def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
+    """``{"count": n, "seeded": k, "<name>": {"p50": ..., "p99": ...}, ...}``
+    over the successful, non-warm-up results that have a handoff;
+    ``seeded``: how many took token #1 from P."""
+    rows: list[dict[str, float]] = []
+    seeded = 0
+    for r in results:
+        if r.warmup or not r.ok:
+            continue
+        one = handoff_of(r)
+        if one is None:
+            continue
+        rows.append(one)
+        proxy = (r.telemetry or {}).get("proxy") or {}
+        seeded += proxy.get("first_token") == "seeded"
+    out: dict[str, Any] = {"count": len(rows), "seeded": seeded}
+    for name in HANDOFF:
+        xs = [row[name] for row in rows]
+        out[name] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
+    return out

@@ -28,6 +28,7 @@ import asyncio
 import json
 import math
 import re
+import shlex
 import sys
 import threading
 import time
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="KV-cache bytes per engine (both deployments)")
     compare.add_argument("--out-dir", default=None,
                          help="result.json, plots and engine logs (default .runs/slo/<time>)")
+    compare.add_argument("--proxy-args", default="", metavar="ARGS",
+                         help="more vllm-pd-proxy flags for the disaggregated deployment, one "
+                         "string (e.g. '--no-first-token-from-prefill': the path on which D "
+                         "computes token #1)")
     compare.add_argument("--only", choices=("aggregated", "disaggregated"), default=None,
                          help="measure one deployment only (no verdict)")
     run.add_argument("--url", action="append", required=True,
@@ -196,7 +201,7 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
         ok, why = point_passes(summary, gates)
         summary["passes"], summary["fails_because"] = ok, why
         point = {"summary": summary, "breakdown": _breakdown(results),
-                 "results": [_as_dict(r) for r in results]}
+                 "handoff": _handoff(results), "results": [_as_dict(r) for r in results]}
         points.append(point)
         say(f"{name} @ {rate:g} req/s: attainment {summary['slo_attainment']:.3f}, errors "
             f"{summary['error_rate']:.3f}, p99 TTFT {_ms(summary.get('p99_ttft_ms'))}, p99 ITL "
@@ -232,6 +237,13 @@ def _breakdown(results: list[Any]) -> dict[str, Any] | None:
     return out
 
 
+def _handoff(results: list[Any]) -> dict[str, Any]:
+    from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
+
+    out: dict[str, Any] = summarize_handoffs(results)
+    return out
+
+
 def _as_dict(r: Any) -> dict[str, Any]:
     import msgspec
 
@@ -260,7 +272,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for kind in kinds:
         dep = Deployment(kind, args.model, out_dir / "logs", cores=cores,
                          transfer_mode=args.transfer_mode, max_model_len=args.max_model_len,
-                         kv_bytes=args.kv_bytes, tp=parse_tp_pair(args.tp, len(cores)))
+                         kv_bytes=args.kv_bytes, tp=parse_tp_pair(args.tp, len(cores)),
+                         proxy_args=shlex.split(args.proxy_args))
         where = ", ".join(f"{e.name} on core {e.cpu_bind}" for e in dep.engines)
         say(f"starting {dep.name} ({where})")
         dep.start()
@@ -299,6 +312,17 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
                       f"(medians of {b.get('count')}): " + ", ".join(
                           f"{k} {v['p50']:.1f} ms" for k, v in b.items()
                           if isinstance(v, dict) and v.get("p50") is not None))
+    for line in ttft_ratios(base, cand):
+        print(line)
+    for p in cand["points"]:
+        h = p.get("handoff")
+        if h and h.get("count"):
+            print(f"handoff, {cand['name']} @ {p['summary']['offered_rate']:g} req/s "
+                  f"({h['count']} requests, {h['seeded']} with token #1 from P), p50 / p99: "
+                  + ", ".join(f"{k} {h[k]['p50']:.2f} / {h[k]['p99']:.2f}"
+                              for k in ("first_gap_ms", "transfer_ms", "decode_step_ms",
+                                        "gap_ratio", "handoff_ms", "orchestration_ms")
+                              if h[k]["p50"] is not None))
     print()
     print(f"VERDICT: {v['verdict']}")
     for line in v["evidence"]:
@@ -312,6 +336,24 @@ def _conclude(result: dict[str, Any], base: dict[str, Any], cand: dict[str, Any]
             say("plots: " + ", ".join(str(p) for p in paths))
         else:
             say("no plots: pip install matplotlib")
+
+
+def ttft_ratios(base: dict[str, Any], cand: dict[str, Any]) -> list[str]:
+    """Per rate both ran: TTFT p50 and p99 of ``cand`` over ``base``."""
+    by_rate = {p["summary"]["offered_rate"]: p["summary"] for p in base["points"]}
+    lines = []
+    for p in cand["points"]:
+        s = p["summary"]
+        b = by_rate.get(s["offered_rate"])
+        if b is None:
+            continue
+        ratios = []
+        for key in ("median_ttft_ms", "p99_ttft_ms"):
+            x, y = s.get(key), b.get(key)
+            ratios.append(f"{x / y:.2f}" if x and y else "n/a")
+        lines.append(f"TTFT {cand['name']} / {base['name']} @ {s['offered_rate']:g} req/s: "
+                     f"p50 {ratios[0]}, p99 {ratios[1]}")
+    return lines
 
 
 def _verdict_inputs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

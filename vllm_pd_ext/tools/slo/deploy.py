@@ -43,6 +43,8 @@ class Deployment:
     tp: tuple[int, int] = (1, 1)
     max_model_len: int = 4096
     kv_bytes: int = 1 << 30
+    #: More proxy flags (disaggregated).
+    proxy_args: list[str] = field(default_factory=list)
     engines: list[Engine] = field(default_factory=list)
     proxy: Proxy | None = None
 
@@ -79,7 +81,7 @@ class Deployment:
             "--local-prefill-threshold", "0",
             # An overloaded point must show as latency and timeouts, not as
             # the proxy's own 503s after 30 s in its admission queue.
-            "--queue-timeout", "3600", "--max-queued", "100000"])
+            "--queue-timeout", "3600", "--max-queued", "100000", *self.proxy_args])
 
     @property
     def name(self) -> str:
@@ -102,7 +104,8 @@ class Deployment:
                 "transfer_mode": self.transfer_mode if self.proxy is not None else None,
                 "engines": [{"name": e.name, "core": e.cpu_bind, "role": e.role,
                              "connector": e.connector} for e in self.engines],
-                "proxy": self.proxy is not None, "max_model_len": self.max_model_len,
+                "proxy": self.proxy is not None, "proxy_args": self.proxy_args,
+                "max_model_len": self.max_model_len,
                 "kv_bytes": self.kv_bytes}
 
     def start(self, timeout: float = 900.0) -> Deployment:

@@ -1,0 +1,138 @@
+"""Token #1 from P (issue 29): TTFT and the handoff, aggregated vs disaggregated,
+with the proxy's ``--first-token-from-prefill`` on and off, one run.
+
+For each model and prompt length, one ``vllm-pd-bench compare`` run (the
+equal-budget harness of docs/slo.md: the same seeded trace for every
+deployment, each engine confined to its core) measures, one after the
+other on cores 0 and 1:
+
+* ``aggregated``: two plain vLLM engines, no proxy hop;
+* ``pull`` / ``push``: P and D behind ``vllm-pd-proxy``, token #1 from P
+  (the default, "seeded");
+* ``pull-off`` / ``push-off``: the same with ``--no-first-token-from-prefill``
+  (D computes token #1: the path before issue 29).
+
+Per deployment it reports TTFT p50/p99 and its ratio to the aggregated
+one (the target: <= 1.05 on an idle machine), and from each request's
+``pd_telemetry`` (``vllm_pd_ext.tools.slo.breakdown.handoff_of``): the gap
+between token #1 and token #2 against the transfer time plus one decode
+step (target <= 1.2x) and the handoff's orchestration (handoff minus READ
+or WRITE time; target p50 <= 1 ms). The rate is low (``--rate``) so the
+machine is idle between requests; medians of ``--requests``.
+
+    python benchmarks/bench_first_token.py --models tiny --lengths 128,300,1000,4000
+    python benchmarks/bench_first_token.py --report .runs/first-token   # tables again
+
+Engines are started and stopped by vllm-pd-bench (by PID); every result
+stays under ``--out-dir`` (one ``compare`` directory per deployment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+DEPLOYMENTS = {
+    "aggregated": ["--only", "aggregated"],
+    "pull": ["--only", "disaggregated", "--transfer-mode", "pull"],
+    "pull-off": ["--only", "disaggregated", "--transfer-mode", "pull",
+                 "--proxy-args", "--no-first-token-from-prefill"],
+    "push": ["--only", "disaggregated", "--transfer-mode", "push"],
+    "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
+                 "--proxy-args", "--no-first-token-from-prefill"],
+}
+#: An idle rate per model (requests per second): one prefill at a time.
+RATES: dict[str, dict[int, float]] = {
+    "tiny": {128: 2, 300: 2, 1000: 2, 4000: 1},
+    "bench": {128: 1, 300: 1, 1000: 0.5, 4000: 0.15},
+}
+
+
+def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
+    out = Path(args.out_dir) / f"{model}-{length}" / name
+    if (out / "result.json").exists() and not args.rerun:
+        return out
+    rate = args.rate or RATES.get(model, {}).get(length, 1)
+    cmd = [sys.executable, "-m", "vllm_pd_ext.tools.slo.cli", "compare",
+           "--model", f".models/{model}", "--prompt-tokens", str(length),
+           "--prompt-jitter", "0.02", "--rates", str(rate), "--requests", str(args.requests),
+           "--warmup", str(args.warmup), "--output-tokens", str(args.output_tokens),
+           # The next power of two above the longest prompt and its answer.
+           "--max-model-len", str(max(4096, 1 << int(length * 1.02 + args.output_tokens)
+                                      .bit_length())),
+           "--slo", "ttft:100000,tpot:10000,itl:10000", "--no-progress",
+           "--out-dir", str(out), *DEPLOYMENTS[name]]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return out
+
+
+def point(out: Path) -> dict[str, Any] | None:
+    try:
+        result = json.loads((out / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dep = next(iter(result["deployments"].values()))
+    return dep["points"][0] if dep.get("points") else None
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def report(root: Path) -> list[str]:
+    lines = ["| model | prompt | deployment | TTFT p50 / p99 ms | TTFT ratio p50 / p99 | "
+             "token #1->#2 gap p50 ms | gap / (transfer + step) p50 / p99 | "
+             "orchestration p50 / p99 ms | seeded |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for case in sorted(root.iterdir(), key=lambda p: (p.name.split("-")[0],
+                                                      int(p.name.split("-")[-1]))):
+        model, length = case.name.rsplit("-", 1)
+        base = point(case / "aggregated")
+        b = base["summary"] if base else {}
+        for name in DEPLOYMENTS:
+            pt = point(case / name)
+            if pt is None:
+                continue
+            s, h = pt["summary"], pt.get("handoff") or {}
+            ratio = [s.get(k) / b[k] if s.get(k) and b.get(k) else None
+                     for k in ("median_ttft_ms", "p99_ttft_ms")]
+            gap = h.get("first_gap_ms") or {}
+            gr = h.get("gap_ratio") or {}
+            orch = h.get("orchestration_ms") or {}
+            lines.append(
+                f"| {model} | {length} | {name} | {fmt(s.get('median_ttft_ms'))} / "
+                f"{fmt(s.get('p99_ttft_ms'))} | {fmt(ratio[0], 2)} / {fmt(ratio[1], 2)} | "
+                f"{fmt(gap.get('p50'))} | {fmt(gr.get('p50'), 2)} / {fmt(gr.get('p99'), 2)} | "
+                f"{fmt(orch.get('p50'), 2)} / {fmt(orch.get('p99'), 2)} | "
+                f"{h.get('seeded', '-')}/{h.get('count', '-')} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="tiny", help="comma-separated, under .models/")
+    ap.add_argument("--lengths", default="128,300,1000,4000")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    ap.add_argument("--rate", type=float, default=None, help="override the idle rate")
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--out-dir", default=".runs/first-token")
+    ap.add_argument("--rerun", action="store_true", help="run cases that have a result")
+    ap.add_argument("--report", default=None, metavar="DIR", help="only print the tables")
+    args = ap.parse_args()
+    if args.report is None:
+        for model in args.models.split(","):
+            for length in map(int, args.lengths.split(",")):
+                for name in args.deployments.split(","):
+                    run(model, length, name, args)
+    print("\n".join(report(Path(args.report or args.out_dir))))
+
+
+if __name__ == "__main__":
+    main()
