@@ -87,8 +87,8 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def report(root: Path) -> list[str]:
     lines = ["| model | prompt | deployment | TTFT p50 / p99 ms | TTFT ratio p50 / p99 | "
              "token #1->#2 gap p50 ms | gap / (transfer + step) p50 / p99 | "
-             "orchestration p50 / p99 ms | seeded |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "orchestration p50 / p99 ms | of which to D / pin / step waits p50 ms | seeded |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for case in sorted(root.iterdir(), key=lambda p: (p.name.split("-")[0],
                                                       int(p.name.split("-")[-1]))):
         model, length = case.name.rsplit("-", 1)
@@ -109,7 +109,9 @@ def report(root: Path) -> list[str]:
                 f"{fmt(s.get('p99_ttft_ms'))} | {fmt(ratio[0], 2)} / {fmt(ratio[1], 2)} | "
                 f"{fmt(gap.get('p50'))} | {fmt(gr.get('p50'), 2)} / {fmt(gr.get('p99'), 2)} | "
                 f"{fmt(orch.get('p50'), 2)} / {fmt(orch.get('p99'), 2)} | "
-                f"{h.get('seeded', '-')}/{h.get('count', '-')} |")
+                + " / ".join(fmt((h.get(k) or {}).get("p50"), 2)
+                             for k in ("to_d_ms", "pin_ms", "step_wait_ms"))
+                + f" | {h.get('seeded', '-')}/{h.get('count', '-')} |")
     return lines
 
 

@@ -95,7 +95,8 @@ def test_handoff_of_a_seeded_pull_request_by_hand():
     assert h == pytest.approx({
         "first_gap_ms": 12.0, "decode_step_ms": 4.0,  # the median of 3, 4, 5 ms
         "transfer_ms": 2.0, "gap_ratio": 2.0,  # 12 / (2 + 4)
-        "handoff_ms": 9.5, "orchestration_ms": 7.5})  # 35.6 + 9.1 - 35.2; minus the READ
+        "handoff_ms": 9.5, "orchestration_ms": 7.5,  # 35.6 + 9.1 - 35.2; minus the READ
+        "to_d_ms": 0.4, "pin_ms": 0.0, "step_wait_ms": 7.1})  # 9.5 - 9.1; 9.1 - 2 - 0
 
 
 def test_push_handoff_takes_the_write_wait_as_the_bytes_time():

@@ -77,7 +77,7 @@ def summarize_breakdowns(results: Iterable[RequestResult]) -> dict[str, Any]:
 
 
 HANDOFF = ("first_gap_ms", "decode_step_ms", "transfer_ms", "gap_ratio", "handoff_ms",
-           "orchestration_ms")
+           "orchestration_ms", "to_d_ms", "pin_ms", "step_wait_ms")
 
 
 def handoff_of(result: RequestResult) -> dict[str, float] | None:
@@ -96,8 +96,13 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
       beyond the bytes and the step that needs them);
     - ``handoff_ms``: P's answer to D's KV ready (proxy and D clocks);
     - ``orchestration_ms``: ``handoff - transfer``, what the handoff costs
-      beyond the bytes: D's leg, its scheduling, the pin round trip, the
-      wait for a step to start the load and to see it done.
+      beyond the bytes, split into
+      ``to_d_ms`` (``handoff - kv_ready``: P's answer to D's scheduler
+      seeing the request: the proxy, HTTP, D's API server and its engine
+      core's input queue), ``pin_ms`` (pull: the pin round trip; push: the
+      registration round trip) and ``step_wait_ms`` (the rest of
+      ``kv_ready``: waiting for engine steps to start the load and to
+      report it, and the handshake when not cached).
     """
     tele = result.telemetry
     if not isinstance(tele, Mapping) or len(result.itl_s) < 2:
@@ -117,9 +122,14 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     step = rest[len(rest) // 2] * 1000
     gap = result.itl_s[0] * 1000
     handoff = max(0.0, sent + ready - done)
+    pin = _number(transfer, "pin_ms")
+    if pin is None:
+        pin = _number(transfer, "register_ms") or 0.0
     return {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
             "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
-            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved)}
+            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
+            "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin,
+            "step_wait_ms": max(0.0, ready - moved - pin)}
 
 
 def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
