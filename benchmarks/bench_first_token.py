@@ -40,10 +40,10 @@ DEPLOYMENTS = {
     "aggregated": ["--only", "aggregated"],
     "pull": ["--only", "disaggregated", "--transfer-mode", "pull"],
     "pull-off": ["--only", "disaggregated", "--transfer-mode", "pull",
-                 "--proxy-args", "--no-first-token-from-prefill"],
+                 "--proxy-args=--no-first-token-from-prefill"],
     "push": ["--only", "disaggregated", "--transfer-mode", "push"],
     "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
-                 "--proxy-args", "--no-first-token-from-prefill"],
+                 "--proxy-args=--no-first-token-from-prefill"],
 }
 #: An idle rate per model (requests per second): one prefill at a time.
 RATES: dict[str, dict[int, float]] = {
