@@ -168,7 +168,9 @@ def test_signed_client_works_and_a_wrong_key_client_gets_a_clear_error(rig) -> N
         assert isinstance(reply, proto.HandshakeReply) and reply.agent == AGENT
         for client, why in ((bad, "not derived from this side's shared secret"),
                             (unsigned, "one side has a shared secret configured")):
-            # Refused in the handshake, and told so at once (not a timeout).
+            # Refused in the handshake, and told so at once (not a timeout):
+            # the request never had a connection to go to, so a send that
+            # blocked would have sat out the client's timeout.
             t0 = time.monotonic()
             with pytest.raises(SideChannelError, match="handshake refused") as exc:
                 client.request(HOST, port, MESSAGES["pin"])

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import os
 from typing import Final
 
 import zmq
@@ -53,6 +55,8 @@ ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
 #: A connection still in its handshake after this long is dropped (libzmq's
 #: default is 30 s), so half-open connections hold little for long.
 HANDSHAKE_IVL_MS: Final = 5000
+
+_watch_ids = itertools.count()
 
 #: Handshake failures a monitor reports (the server counts them, a client
 #: fails its request with one).
@@ -141,7 +145,14 @@ class HandshakeWatch:
     """A socket's handshake failures, from its monitor (one thread: the socket's owner)."""
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
-        self.socket = sock.get_monitor_socket(FAILED_EVENTS)
+        self._watched = sock
+        # A fresh endpoint per watch: pyzmq's default names it after the
+        # socket's descriptor, which the next socket reuses while the old
+        # monitor may still be bound there; the new watch then either fails
+        # ("Address already in use") or hears nothing, and a refused
+        # handshake looked like a peer that never answers (a CI flake).
+        self.socket = sock.get_monitor_socket(
+            FAILED_EVENTS, addr=f"inproc://pd-handshake-watch-{os.getpid()}-{next(_watch_ids)}")
 
     def failure(self) -> str | None:
         """The next queued failure's description; None if none is queued."""
@@ -152,4 +163,9 @@ class HandshakeWatch:
         return describe_failure(int(event["event"]), int(event["value"]))
 
     def close(self) -> None:
+        """Stop the monitor (libzmq closes its half now, not when the reaper
+        gets to the watched socket) and close our half. Before the watched
+        socket closes."""
+        if not self._watched.closed:
+            self._watched.disable_monitor()
         self.socket.close()

@@ -369,7 +369,10 @@ class SideChannelClient:
             if sock is None:
                 sock = self._ctx.socket(zmq.REQ)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+                # Queue the request only on a connection whose handshake
+                # passed: nothing leaves for a peer that refuses us, and the
+                # send's wait (``_await``) hears the refusal deterministically.
+                sock.setsockopt(zmq.IMMEDIATE, 1)
                 sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
                 if self.auth is not None:
                     curve.configure_client(sock, self.auth.keyring)
@@ -380,12 +383,16 @@ class SideChannelClient:
                 sock.connect(addr)
             body = proto.encode(msg)
             nonce = b""
+            deadline = time.monotonic() + self.timeout_ms / 1000
             if self.auth is None:
-                sock.send(body)
+                frames = [body]
             else:
                 header, nonce = self.auth.sign_request(body)
-                sock.send_multipart([header, body])
-            parts = self._receive(addr, sock)
+                frames = [header, body]
+            self._await(addr, sock, zmq.POLLOUT, deadline)
+            sock.send_multipart(frames, zmq.NOBLOCK)
+            self._await(addr, sock, zmq.POLLIN, deadline)
+            parts = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._close(addr)
             timed_out = exc.errno == zmq.EAGAIN
@@ -415,18 +422,23 @@ class SideChannelClient:
             raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply
 
-    def _receive(self, addr: str, sock: zmq.Socket[bytes]) -> list[bytes]:
-        """The reply's frames; a refused handshake fails at once, with why
-        (without the watch it would look like a peer that never answers)."""
+    def _await(self, addr: str, sock: zmq.Socket[bytes], event: int, deadline: float) -> None:
+        """Wait until ``sock`` can send (``POLLOUT``) or has the reply
+        (``POLLIN``); a refused handshake fails at once, with why.
+
+        Sending waits too (``IMMEDIATE``: no pipe before a handshake
+        passed). A blocking send sat out the whole timeout, deaf to the
+        refusal the monitor had reported: 1 refused handshake in about 500
+        under load came back as ``timeout`` (a CI flake of the attacker test).
+        """
         watch = self._watches[addr]
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(sock, event)
         poller.register(watch.socket, zmq.POLLIN)
-        deadline = time.monotonic() + self.timeout_ms / 1000
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(max(1, int(left * 1000))))
             if sock in ready:
-                return sock.recv_multipart()
+                return
             if watch.socket in ready and (reason := watch.failure()) is not None:
                 self._close(addr)
                 raise SideChannelError(f"side channel {addr}: handshake refused: {reason}",
