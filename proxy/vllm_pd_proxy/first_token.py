@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from .migration import continuation_body
+from .stream_track import next_text_offset
 
 _encode = msgspec.json.encode
 
@@ -251,24 +252,13 @@ def _blank_ids(answer: dict[str, Any]) -> None:
                         c[key] = None
 
 
-def _next_offset(logprobs: dict[str, Any], text: str) -> int:
-    """Where offsets go on after ``logprobs``: vLLM advances them by the
-    logprobs' token strings (``token_id:N`` with ``return_tokens_as_token_ids``),
-    not by the text."""
-    offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
-    if (isinstance(offsets, list) and isinstance(tokens, list) and offsets
-            and len(offsets) == len(tokens) and type(offsets[-1]) is int
-            and isinstance(tokens[-1], str)):
-        return offsets[-1] + len(tokens[-1])
-    return len(text)
-
-
 def _merge_logprobs(first: Any, rest: Any, text: str) -> Any:
     """Completions logprobs of token #1 (P) and the rest (D), D's text
     offsets moved past token #1's."""
     if not isinstance(first, dict) or not isinstance(rest, dict):
         return first if rest is None else rest if first is None else None
-    shift = _next_offset(first, text)
+    after = next_text_offset(first)
+    shift = len(text) if after is None else after
     out: dict[str, Any] = {}
     for key in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
         a, b = first.get(key), rest.get(key)

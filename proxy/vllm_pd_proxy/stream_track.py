@@ -285,13 +285,9 @@ class StreamTracker:
 
     def _note_offsets(self, logprobs: Any) -> None:
         """Remember where the offsets of the client's next logprobs start."""
-        if not isinstance(logprobs, dict):
-            return
-        offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
-        if (isinstance(offsets, list) and isinstance(tokens, list) and offsets
-                and len(offsets) == len(tokens) and type(offsets[-1]) is int
-                and isinstance(tokens[-1], str)):
-            self.offset_next = offsets[-1] + len(tokens[-1])
+        after = next_text_offset(logprobs)
+        if after is not None:
+            self.offset_next = after
 
     def _top(self, obj: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in obj.items() if k != "choices"}
@@ -331,6 +327,21 @@ class StreamTracker:
         out["completion_tokens"] = generated + completion
         out["total_tokens"] = prompt + generated + completion
         return out
+
+
+def next_text_offset(logprobs: Any) -> int | None:
+    """Where completions logprobs offsets go on after ``logprobs``: the last
+    offset plus its token string's length (vLLM advances them by the token
+    strings, ``token_id:N`` with ``return_tokens_as_token_ids``, not by the
+    text); None when ``logprobs`` has no offsets."""
+    if not isinstance(logprobs, dict):
+        return None
+    offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+    if (isinstance(offsets, list) and isinstance(tokens, list) and offsets
+            and len(offsets) == len(tokens) and type(offsets[-1]) is int
+            and isinstance(tokens[-1], str)):
+        return int(offsets[-1]) + len(tokens[-1])
+    return None
 
 
 def _empty_chat_delta(choice: dict[str, Any]) -> bool:

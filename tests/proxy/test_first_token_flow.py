@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from pdproxy_helpers import parse_sse
-from token_engine import Faults, TokenEngine, generate, text_of, tokenize
+from token_engine import Faults, TokenEngine, generate, stream_text, text_of, tokenize
 from vllm_pd_proxy.app import METRICS
 
 from vllm_pd_ext.wire.auth import Keyring, verify_leg
@@ -32,16 +32,6 @@ def reference(path: str, body: dict[str, Any], n: int = N) -> list[int]:
 
 def text(ids: list[int]) -> str:
     return "".join(text_of(t) for t in ids)
-
-
-def stream_text(events: list[Any], chat: bool = False) -> str:
-    out = []
-    for e in events:
-        if e == "[DONE]" or not e.get("choices"):
-            continue
-        c = e["choices"][0]
-        out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text", ""))
-    return "".join(out)
 
 
 def first_token_counts(client: Any) -> dict[tuple[str, str], float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from pdproxy_helpers import parse_sse, wait_for
-from token_engine import Faults, TokenEngine, generate, text_of, tokenize
+from token_engine import Faults, TokenEngine, generate, stream_text, text_of, tokenize
 from vllm_pd_proxy.app import METRICS
 
 PROMPT = "tell me a story"
@@ -22,16 +22,6 @@ N = 12
 
 def reference(path: str, body: dict[str, Any], n: int = N) -> str:
     return "".join(text_of(t) for t in generate(tokenize(path, body), n))
-
-
-def stream_text(events: list[Any], chat: bool = False) -> str:
-    out = []
-    for e in events:
-        if e == "[DONE]" or not e.get("choices"):
-            continue
-        c = e["choices"][0]
-        out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text", ""))
-    return "".join(out)
 
 
 def migrations(client: Any) -> dict[tuple[str, str], float]:

@@ -212,3 +212,14 @@ class TokenEngine:
                                   "total_tokens": len(prompt) + len(tokens)}})
         await out.write(b"data: [DONE]\n\n")
         return out
+
+
+def stream_text(events: list[Any], chat: bool = False) -> str:
+    """The text a client read from parsed SSE events (chat: the deltas)."""
+    out = []
+    for e in events:
+        if e == "[DONE]" or not e.get("choices"):
+            continue
+        c = e["choices"][0]
+        out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text", ""))
+    return "".join(out)
