@@ -48,6 +48,9 @@ class PDConfig:
     #: Push, D: the longest one engine step with nothing to do sleeps while D
     #: waits for pushed KV (a notification ends it at once); 0 disables.
     push_idle_wait_ms: float = 10.0
+    #: Pull, D: the longest one engine step that computes nothing waits for
+    #: the loads in flight, so one that ends is reported in that step; 0 disables.
+    pull_report_wait_ms: float = 2.0
     #: Seconds for one side-channel round trip (handshake, pin).
     handshake_timeout: float = 5.0
     nixl_backends: tuple[str, ...] = ("UCX",)
@@ -304,6 +307,7 @@ _VALIDATORS: dict[str, Any] = {
     "push_timeout": _positive,
     "push_queue_timeout": _positive,
     "push_idle_wait_ms": _non_negative,
+    "pull_report_wait_ms": _non_negative,
     "handshake_timeout": _positive,
     "nixl_backends": _backends,
     "nixl_progress_thread": _bool,

@@ -30,6 +30,9 @@ class PDConnectorMetadata(KVConnectorMetadata):
     push_recv: list[PushRecvSpec] = field(default_factory=list)
     #: D, push: waits that ended without the KV; no WRITE can land any more.
     push_fail: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The step computes nothing: D's workers may wait (``pull_report_wait_ms``)
+    #: for the loads they just started, to report them in this step.
+    idle: bool = False
 
 
 @dataclass

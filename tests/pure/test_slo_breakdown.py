@@ -99,6 +99,19 @@ def test_handoff_of_a_seeded_pull_request_by_hand():
         "to_d_ms": 0.4, "pin_ms": 0.0, "step_wait_ms": 7.1})  # 9.5 - 9.1; 9.1 - 2 - 0
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["pin_then_read", "pin_with_read"])
+def test_step_wait_subtracts_the_pin_and_read_as_they_ran(beside):
+    tele = telemetry()
+    tele["transfer"].update(read_ms=2.0, pin_ms=3.0)
+    if beside:
+        tele["transfer"]["pin_with_read"] = True
+    h = handoff_of(_streamed(tele))
+    assert h is not None
+    # kv_ready 9.1: minus 2 + 3 in turn, or minus the slower (3) side by side.
+    assert h["step_wait_ms"] == pytest.approx(6.1 if beside else 4.1)
+    assert h["orchestration_ms"] == pytest.approx(7.5)  # handoff minus the READ either way
+
+
 def test_push_handoff_takes_the_write_wait_as_the_bytes_time():
     tele = telemetry("push", decode_sent=36.0, kv_ready=3.0)
     tele["transfer"]["write_wait_ms"] = 2.5

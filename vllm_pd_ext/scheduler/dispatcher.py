@@ -236,8 +236,10 @@ class PDScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         push_fail = self.d.poll()
         out = self.d.take_step()
-        meta = PDConnectorMetadata(reqs_to_recv=out.recv, reqs_to_fail=out.fail,
-                                   push_recv=out.push, push_fail=push_fail)
+        meta = PDConnectorMetadata(
+            reqs_to_recv=out.recv, reqs_to_fail=out.fail, push_recv=out.push,
+            push_fail=push_fail,
+            idle=int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)) == 0)
         if self._unallocated:
             self._relieve_waiting()
         self._sweep()

@@ -58,6 +58,9 @@ class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     handshake_ms: float | None = None
     #: Pull: the pin round trip (P extends and marks the lease being read).
     pin_ms: float | None = None
+    #: Pull: the pin ran beside the READ (issue 29), so the handoff waited
+    #: for the slower of the two, not their sum.
+    pin_with_read: bool | None = None
     #: Pull: the READ, from its post to the step that saw it complete.
     read_ms: float | None = None
     #: Push: D's registration round trip to P (``PushRegister`` -> reply).

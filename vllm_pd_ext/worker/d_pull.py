@@ -3,9 +3,9 @@
 Runs on D's worker main thread (the engine step). ``expect`` takes the
 scheduler's ``RecvSpec``s; ``advance`` (every step) moves each load through
 
-    HANDSHAKE -> PIN -> POSTING -> READING -> done | failed
+    HANDSHAKE -> POSTING -> READING -> done | failed
 
-and never blocks the step:
+with the pin in flight beside the READ, and never blocks the step:
 
 - Side-channel round trips (handshake, pin, release) leave on one lane per
   P endpoint (``Outbox``). A frozen or dead P delays only its own loads;
@@ -21,11 +21,24 @@ and never blocks the step:
   does not know (``LEASE_UNKNOWN``) or a failed READ makes the peer
   *suspect*: a fresh handshake checks it, and only a new engine id at that
   endpoint (P restarted) retires the cached peer.
-- PIN asks P to pin the lease and returns how long it is guaranteed; READs
-  are posted only inside that window (checked again at the post).
+- The pin and the READ leave together (issue 29: the pin's round trip is
+  off the handoff's critical path). The pin asks P to pin the lease and
+  returns how long it is guaranteed; the READ's bytes are trusted only when
+  the pin came back valid and the READ ended inside that window. Why that
+  is enough: P frees lent blocks only when their lease ends, a lease never
+  comes back once ended, and a pin that finds it live (after D sent the pin,
+  so after the READ was posted) proves it was live, blocks untouched, from
+  P's answer until then and is guaranteed past ``pin_sent + remaining``.
+  A READ of blocks whose lease is gone only reads (P is not harmed); its
+  bytes are thrown away and the load fails as before. A pin answer that
+  comes before a queued post sets the post's deadline (never post after
+  the lease may have run out); a failed one cancels the post.
 - POSTING hands the READ to one poster thread: on one host UCX copies
   inside the post call (about 16 ms per 256 MiB), and NIXL releases the GIL
   meanwhile, so other requests' decode is not held up. READING polls.
+- Every reply and every post that returns rings ``wait_progress``, so a
+  worker step with nothing else to do can wait for the loads it just
+  started and report them in the same step (``PDWorker``).
 
 A READ that cannot be released (it may still write into D's blocks) keeps
 its load unreported, and so D's blocks allocated, until it settles. P's
@@ -37,6 +50,8 @@ one is removed only when no READ uses it, and an idle one after
 from __future__ import annotations
 
 import enum
+import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,7 +101,6 @@ Failure = tuple[str, list[int], FailureReason, str]
 
 class RecvState(enum.Enum):
     HANDSHAKE = "handshake"
-    PIN = "pin"
     POSTING = "posting"
     READING = "reading"
 
@@ -129,11 +143,21 @@ class RecvJob:
     deadline: float
     state: RecvState = RecvState.HANDSHAKE
     peer: PeerSet | None = None
+    #: The post on the poster thread, until it returned.
     future: Future[Any] | None = None
+    #: The pin's reply, until it was checked.
+    pin: Future[proto.Reply | SideChannelError] | None = None
     pin_sent: float = 0.0
+    #: When the pin's reply reached this rank (the outbox thread's clock read).
+    pin_at: float = 0.0
     #: Until when (D's clock) the pin guarantees P keeps the blocks: a READ
-    #: that ends later may have copied blocks P already reused.
+    #: that ends later may have copied blocks P already reused. 0: not known.
     valid_until: float = 0.0
+    #: The latest the READ may still be posted (the poster thread reads it):
+    #: unbounded until the pin answered, -inf once it failed.
+    post_by: float = math.inf
+    #: The pin failed: raised once the READ settled.
+    pin_error: LoadFailed | None = None
     #: The posted READs (one per P rank read) not released yet.
     handles: list[Any] = field(default_factory=list)
     #: A post that failed after an earlier READ of this load was posted:
@@ -141,6 +165,12 @@ class RecvJob:
     post_error: LoadFailed | None = None
     posted: float = 0.0
     done_at: float = 0.0
+    #: This load holds its peer's agents (``AgentCache.acquire``).
+    holds_agents: bool = False
+    #: Every posted READ settled and was released.
+    settled: bool = False
+    #: NIXL reported an error for one of its READs.
+    read_error: bool = False
     nbytes: int = 0
     ndescs: int = 0
     stuck_logged: bool = False
@@ -161,9 +191,12 @@ class RecvJob:
             bytes=self.nbytes, descriptors=self.ndescs, blocks=len(s.local_block_ids),
             tokens=s.num_tokens,
             handshake_ms=telemetry.ms((self.pin_sent or now) - self.arrived),
-            pin_ms=telemetry.ms((self.posted or now) - self.pin_sent) if self.pin_sent else None,
+            pin_ms=(telemetry.ms((self.pin_at or now) - self.pin_sent) if self.pin_sent
+                    else None),
             read_ms=telemetry.ms(read_end - self.posted) if self.posted else None,
-            lease_left_s=(round(self.valid_until - self.posted, 3) if self.posted else None))
+            pin_with_read=bool(self.pin_sent) or None,
+            lease_left_s=(round(self.valid_until - self.posted, 3)
+                          if self.posted and self.valid_until else None))
 
 
 class LoadFailed(Exception):
@@ -206,6 +239,8 @@ class PullReader:
                                  idle_ttl_s=PEER_IDLE_TTL_S, kernel_blocks=kernel_blocks)
         self._jobs: dict[str, RecvJob] = {}
         self._next_reap = 0.0
+        #: Set by every side-channel reply and every post that returned.
+        self._progress = threading.Event()
         #: Telemetry of the loads that ended since ``take_records``.
         self._records: list[TransferRecord] = []
 
@@ -235,11 +270,28 @@ class PullReader:
         entry.pending = self._send(host, port, proto.HandshakeRequest(
             engine_id=self.engine_id, tp_rank=self.tp_rank, compat=self.compat))
 
-    def _send(self, host: str, port: int, msg: proto.Request
+    def _send(self, host: str, port: int, msg: proto.Request,
+              on_reply: Callable[[], None] | None = None
               ) -> Future[proto.Reply | SideChannelError]:
+        """``msg`` on P's lane; the future holds the reply. ``on_reply`` runs
+        first, on the outbox thread (it must only set plain fields)."""
         fut: Future[proto.Reply | SideChannelError] = Future()
-        self._io.send(host, port, msg, fut.set_result)
+
+        def settle(reply: proto.Reply | SideChannelError) -> None:
+            if on_reply is not None:
+                on_reply()
+            fut.set_result(reply)
+            self._progress.set()
+
+        self._io.send(host, port, msg, settle)
         return fut
+
+    def wait_progress(self, timeout_s: float) -> bool:
+        """Block until a reply or a post returned since the last call (True),
+        or ``timeout_s`` passed. Step thread only."""
+        woke = self._progress.wait(timeout_s)
+        self._progress.clear()
+        return woke
 
     # ------------------------------------------------------------- step
     def advance(self) -> list[Failure]:
@@ -256,7 +308,7 @@ class PullReader:
             try:
                 if job.state is RecvState.HANDSHAKE:
                     self._step_handshake(job)
-                if job.state is RecvState.PIN:
+                if job.pin is not None:
                     self._step_pin(job)
                 if job.state is RecvState.POSTING:
                     self._step_post(job)
@@ -399,52 +451,66 @@ class PullReader:
         if entry.peer is None:
             return
         entry.waiting.discard(job.spec.request_id)
-        job.peer = entry.peer
-        job.state = RecvState.PIN
-        job.pin_sent = self._clock()
+        peer = job.peer = entry.peer
         spec = job.spec
-        job.future = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
-            engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
-            tp_rank=self.tp_rank, consumer=spec.request_id,
-            consumer_ranks=self.compat.tp_size))
-
-    def _step_pin(self, job: RecvJob) -> None:
-        assert job.future is not None and job.peer is not None
-        if not job.future.done():
-            return
-        spec = job.spec
-        reply = job.future.result()
-        job.future = None
-        if isinstance(reply, SideChannelError):
-            raise LoadFailed(FailureReason.LEASE_LOST, f"pin failed: {reply}")
-        remaining = reply.remaining_s[0] if isinstance(reply, proto.LeaseStatus) else -1.0
-        valid_until = job.pin_sent + remaining
-        margin = min(PIN_SAFETY_MARGIN_S, remaining / 4)
-        if remaining < 0 or valid_until - self._clock() < margin:
-            if remaining == proto.LEASE_UNKNOWN:
-                self._suspect(job.key, f"P does not know lease {spec.remote_request_id}")
-            what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted, or the lease already "
-                                         "ended: a replayed P answer?)",
-                    proto.LEASE_EXPIRED: "expired on P"}.get(remaining, "about to expire")
-            raise LoadFailed(FailureReason.LEASE_LOST,
-                             f"P's blocks for {spec.remote_request_id} are {what}",
-                             release=remaining >= 0)
-        peer = job.peer
         try:
             reads = [(a.name, self._descriptors(spec, peer, a, sl), a.agent.device_id)
                      for a, sl in peer.reads]
         except ValueError as exc:  # TPMappingError included
+            # Released all the same: P frees the blocks now, not at expiry.
             raise LoadFailed(FailureReason.LAYOUT, str(exc)) from exc
+
+        def pinned(job: RecvJob = job) -> None:
+            job.pin_at = self._clock()
+
+        # The pin first: its send time bounds the READ's window from below.
+        job.pin_sent = self._clock()
+        job.pin = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
+            engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
+            tp_rank=self.tp_rank, consumer=spec.request_id,
+            consumer_ranks=self.compat.tp_size), on_reply=pinned)
         job.posted = self._clock()
-        job.valid_until = valid_until
         job.nbytes = sum(n for _, descs, _ in reads for _, _, n in descs)
         job.ndescs = sum(len(descs) for _, descs, _ in reads)
         job.state = RecvState.POSTING
         for agent in peer.agents:
             self.agents.acquire(agent)
-        job.future = self._poster.submit(self._post, reads, valid_until - margin,
-                                         spec.remote_request_id)
-        self._step_post(job)
+        job.holds_agents = True
+        job.future = self._poster.submit(self._post, reads, job, spec.remote_request_id)
+        job.future.add_done_callback(lambda _f: self._progress.set())
+
+    def _step_pin(self, job: RecvJob) -> None:
+        """Check the pin's reply once it came: set the READ's window, or fail
+        the load once the READ settled (a queued post is not made)."""
+        assert job.pin is not None
+        if not job.pin.done():
+            return
+        spec = job.spec
+        reply = job.pin.result()
+        job.pin = None
+        if isinstance(reply, SideChannelError):
+            self._pin_failed(job, LoadFailed(FailureReason.LEASE_LOST, f"pin failed: {reply}"))
+            return
+        remaining = reply.remaining_s[0] if isinstance(reply, proto.LeaseStatus) else -1.0
+        if remaining < 0:
+            if remaining == proto.LEASE_UNKNOWN:
+                self._suspect(job.key, f"P does not know lease {spec.remote_request_id}")
+            what = {proto.LEASE_UNKNOWN: "unknown to P (P restarted, or the lease already "
+                                         "ended: a replayed P answer?)",
+                    proto.LEASE_EXPIRED: "expired on P"}.get(remaining, "not pinned")
+            self._pin_failed(job, LoadFailed(
+                FailureReason.LEASE_LOST, f"P's blocks for {spec.remote_request_id} are {what}",
+                release=False))
+            return
+        job.valid_until = job.pin_sent + remaining
+        # A post still queued goes out only with this margin left.
+        job.post_by = job.valid_until - min(PIN_SAFETY_MARGIN_S, remaining / 4)
+
+    def _pin_failed(self, job: RecvJob, exc: LoadFailed) -> None:
+        job.pin_error = exc
+        job.post_by = -math.inf  # a post still queued is not made
+        if job.state is RecvState.READING:
+            self._release_handles(job)  # cancel what can be cancelled now
 
     def _descriptors(self, spec: RecvSpec, peer: PeerSet, agent: CachedAgent,
                      slices: list[Slice] | None) -> list[Descriptor]:
@@ -455,18 +521,19 @@ class PullReader:
             spec.local_block_ids, spec.remote_block_ids, self.regions, agent.agent.regions,
             sl, *peer.heads)]
 
-    def _post(self, reads: list[tuple[str, list[Descriptor], int]], post_by: float,
+    def _post(self, reads: list[tuple[str, list[Descriptor], int]], job: RecvJob,
               remote_request_id: str
               ) -> tuple[list[Any], list[XferState], float, LoadFailed | None]:
         """Poster thread: post each P rank's READ, then poll once so that a
         copy done inside the post call is timed when it ended, not when the
         next step looks.
 
-        The pin's margin is checked again here, at the post: posts are
-        serialised, and one behind a long copy can wait past the lease. A
-        post that fails after an earlier one went out is returned, not
-        raised: the posted READs must settle before D's blocks can go."""
-        if self._clock() > post_by:
+        ``job.post_by`` is checked at the post: posts are serialised, and one
+        behind a long copy can wait past a lease its pin already bounded (or
+        after its pin failed). A post that fails after an earlier one went
+        out is returned, not raised: the posted READs must settle before D's
+        blocks can go."""
+        if self._clock() > job.post_by:
             raise LoadFailed(FailureReason.LEASE_LOST,
                              f"P's lease on {remote_request_id} ran out while the READ waited "
                              "for the poster thread; not read")
@@ -494,9 +561,10 @@ class PullReader:
             self._unuse(job)
             self._suspect(job.key, f"READ post failed: {exc}")
             raise LoadFailed(FailureReason.TRANSFER, str(exc)) from exc
-        except LoadFailed:
+        except LoadFailed as exc:
             self._unuse(job)
-            raise
+            # Not posted: after a failed pin, say why the pin failed.
+            raise (job.pin_error or exc) from None
         except Exception as exc:
             # A transport bug must fail this load, not the engine step. The
             # poll after a post never raises (transport contract), so an
@@ -510,34 +578,42 @@ class PullReader:
         job.state = RecvState.READING
 
     def _step_read(self, job: RecvJob) -> None:
-        states = [self.transport.poll(h) for h in job.handles]
-        if XferState.PROC in states:
-            return
-        if not self._release_handles(job):
-            if not job.stuck_logged:
-                job.stuck_logged = True
-                logger.error("PDConnector: READ for %s finished (%s) but its handle cannot be "
-                             "released; keeping its blocks and retrying", job.spec.request_id,
-                             ",".join(s.value for s in states))
-            return  # try again next step; blocks stay allocated
-        self._unuse(job)
+        if not job.settled:
+            states = [self.transport.poll(h) for h in job.handles]
+            if XferState.PROC in states and job.pin_error is None:
+                return
+            job.read_error = job.read_error or XferState.ERR in states
+            if not self._release_handles(job):
+                if not job.stuck_logged:
+                    job.stuck_logged = True
+                    logger.error("PDConnector: READ for %s finished (%s) but its handle cannot "
+                                 "be released; keeping its blocks and retrying",
+                                 job.spec.request_id, ",".join(s.value for s in states))
+                return  # try again next step; blocks stay allocated
+            job.settled = True
+            job.done_at = job.done_at or self._clock()
+            self._unuse(job)
+        if job.pin is not None:
+            return  # the bytes are in; the pin's answer says whether they count
+        if job.pin_error is not None:
+            raise job.pin_error
         if job.post_error is not None:
             self._suspect(job.key, job.post_error.detail)
             raise job.post_error
-        if XferState.ERR in states:
+        if job.read_error:
             self._suspect(job.key, "NIXL reported an error for a READ")
             raise LoadFailed(FailureReason.TRANSFER, "NIXL reported an error for the READ")
         done = self._clock()
-        finished = job.done_at or done
-        if finished > job.valid_until:
+        if job.done_at > job.valid_until:
             # P only promised the blocks until the pin's expiry; past it P may
             # have freed and refilled them (a P frozen mid-READ sweeps first
             # when it resumes), so bytes that landed later are not trusted.
             raise LoadFailed(
                 FailureReason.LEASE_LOST,
-                f"the READ of {job.spec.remote_request_id} ended {finished - job.valid_until:.1f} "
-                "s after P's pinned lease could have expired (P frozen, or the READ stalled): "
-                "P may have reused those blocks, so the KV is not used")
+                f"the READ of {job.spec.remote_request_id} ended "
+                f"{job.done_at - job.valid_until:.1f} s after P's pinned lease could have "
+                "expired (P frozen, or the READ stalled): P may have reused those blocks, so "
+                "the KV is not used")
         del self._jobs[job.spec.request_id]
         self._release(job.spec, ok=True, reason="")
         self._records.append(job.record(done))
@@ -557,7 +633,7 @@ class PullReader:
                 logger.error("PDConnector: READ post for %s passed its deadline; keeping its "
                              "blocks until the post returns", job.spec.request_id)
             return None
-        if job.state is RecvState.READING:
+        if job.state is RecvState.READING and not job.settled:
             if not self._release_handles(job):
                 if not job.stuck_logged:
                     job.stuck_logged = True
@@ -565,6 +641,7 @@ class PullReader:
                                  "cancelled; keeping its blocks until it settles",
                                  job.spec.request_id)
                 return None
+            job.settled = True
             self._unuse(job)
         return LoadFailed(FailureReason.TIMEOUT,
                           f"no KV after {self.transfer_timeout_s:.1f} s "
@@ -596,7 +673,8 @@ class PullReader:
             self._handshake(entry)
 
     def _unuse(self, job: RecvJob) -> None:
-        if job.peer is not None and job.state in (RecvState.POSTING, RecvState.READING):
+        if job.peer is not None and job.holds_agents:
+            job.holds_agents = False
             for agent in job.peer.agents:
                 self.agents.release(agent)
 

@@ -99,10 +99,11 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
       beyond the bytes, split into
       ``to_d_ms`` (``handoff - kv_ready``: P's answer to D's scheduler
       seeing the request: the proxy, HTTP, D's API server and its engine
-      core's input queue), ``pin_ms`` (pull: the pin round trip; push: the
-      registration round trip) and ``step_wait_ms`` (the rest of
-      ``kv_ready``: waiting for engine steps to start the load and to
-      report it, and the handshake when not cached).
+      core's input queue), ``pin_ms`` (pull: the pin round trip, beside the
+      READ when the record says ``pin_with_read``; push: the registration
+      round trip) and ``step_wait_ms`` (the rest of ``kv_ready``: waiting
+      for engine steps to start the load and to report it, and the
+      handshake when not cached).
     """
     tele = result.telemetry
     if not isinstance(tele, Mapping) or len(result.itl_s) < 2:
@@ -125,11 +126,14 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     pin = _number(transfer, "pin_ms")
     if pin is None:
         pin = _number(transfer, "register_ms") or 0.0
+    # The pin beside the READ (``pin_with_read``): the load waited for the
+    # slower of the two; before, for both in turn.
+    waited = max(moved, pin) if transfer.get("pin_with_read") is True else moved + pin
     return {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
             "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
             "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
             "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin,
-            "step_wait_ms": max(0.0, ready - moved - pin)}
+            "step_wait_ms": max(0.0, ready - waited)}
 
 
 def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
