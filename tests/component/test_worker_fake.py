@@ -361,6 +361,20 @@ def test_pin_failing_after_the_read_was_posted_throws_the_bytes_away(make_pair):
     assert rec.outcome == "lease_lost" and "expired on P" in rec.detail
 
 
+def test_a_failed_post_waits_for_the_pin_whose_reason_wins(make_pair):
+    """P restarted: the READ to its old agent fails in the post and the pin
+    is answered "unknown". The load fails once, with the pin's reason (the
+    one that says what happened), and no release goes to the new P."""
+    pair = make_pair()  # no grant: the (new) P does not know the lease
+    pair.d_transport.fail_post = True
+    _, recving, failed = drive(pair.d_worker, PDConnectorMetadata(reqs_to_recv=[pair.spec()]),
+                               {"d-req"})
+    assert failed == recving == {"d-req"}
+    rec = pair.d_worker.build_worker_meta().records[0]
+    assert rec.outcome == "lease_lost" and "unknown to P (P restarted" in rec.detail
+    assert pair.leases.num_late_messages == 1  # the pin only: no release followed
+
+
 def test_pin_failing_before_a_queued_post_means_no_post(make_pair):
     """Posts are serialised: a READ queued behind a slow one whose pin comes
     back unknown is never posted."""

@@ -158,6 +158,9 @@ class RecvJob:
     post_by: float = math.inf
     #: The pin failed: raised once the READ settled.
     pin_error: LoadFailed | None = None
+    #: The post failed before any READ went out: raised once the pin answered
+    #: (a failed pin's reason wins).
+    not_posted: LoadFailed | None = None
     #: The posted READs (one per P rank read) not released yet.
     handles: list[Any] = field(default_factory=list)
     #: A post that failed after an earlier READ of this load was posted:
@@ -558,23 +561,31 @@ class PullReader:
         try:
             job.handles, states, at, job.post_error = fut.result()
         except TransportError as exc:
-            self._unuse(job)
             self._suspect(job.key, f"READ post failed: {exc}")
-            raise LoadFailed(FailureReason.TRANSFER, str(exc)) from exc
+            self._not_posted(job, LoadFailed(FailureReason.TRANSFER, str(exc)))
+            return
         except LoadFailed as exc:
-            self._unuse(job)
-            # Not posted: after a failed pin, say why the pin failed.
-            raise (job.pin_error or exc) from None
+            self._not_posted(job, exc)
+            return
         except Exception as exc:
             # A transport bug must fail this load, not the engine step. The
             # poll after a post never raises (transport contract), so an
             # exception here came from the post itself: nothing was posted.
             logger.exception("PDConnector: READ post for %s raised", job.spec.request_id)
-            self._unuse(job)
-            raise LoadFailed(FailureReason.TRANSFER,
-                             f"READ post raised {type(exc).__name__}: {exc}") from exc
+            self._not_posted(job, LoadFailed(
+                FailureReason.TRANSFER, f"READ post raised {type(exc).__name__}: {exc}"))
+            return
         if all(s is XferState.DONE for s in states):
             job.done_at = at
+        job.state = RecvState.READING
+
+    def _not_posted(self, job: RecvJob, exc: LoadFailed) -> None:
+        """Nothing was posted: the load fails, but after the pin answered,
+        whose reason says more (a READ to a restarted P fails in the post;
+        its pin says "unknown to P")."""
+        self._unuse(job)
+        job.not_posted = exc
+        job.settled = True
         job.state = RecvState.READING
 
     def _step_read(self, job: RecvJob) -> None:
@@ -597,6 +608,8 @@ class PullReader:
             return  # the bytes are in; the pin's answer says whether they count
         if job.pin_error is not None:
             raise job.pin_error
+        if job.not_posted is not None:
+            raise job.not_posted
         if job.post_error is not None:
             self._suspect(job.key, job.post_error.detail)
             raise job.post_error
