@@ -154,3 +154,12 @@ def test_handoff_against_the_floor() -> None:
           for ms in (0.5, 3.0, 50.0)}
     assert by == {0.5: gr.WARN, 3.0: gr.PASS, 50.0: gr.WARN}
     assert gr.judge([], {}, {}).exit_code == 1  # nothing ran: a failure
+
+
+def test_handoff_of_a_record_takes_the_pin_beside_the_read_once() -> None:
+    from vllm_pd_ext.testing.gpu_check import handoff_ms_of
+
+    rec = {"pin_ms": 1.5, "read_ms": 4.0}
+    assert handoff_ms_of(rec, "pull") == 5.5  # in turn (records before issue 29)
+    assert handoff_ms_of(dict(rec, pin_with_read=True), "pull") == 4.0
+    assert handoff_ms_of({"write_wait_ms": 2.5, "pin_ms": 9.0}, "push") == 2.5

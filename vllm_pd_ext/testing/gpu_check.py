@@ -212,12 +212,20 @@ def run_case(mode: str, n: int, ref: Engine, d: Engine, proxy: Proxy, model: str
         recs = transfer_records(d)[seen:]
         if recs:
             r = case.transfer = recs[-1]
-            parts = (("pin_ms", "read_ms") if mode == "pull" else ("write_wait_ms",))
-            case.handoff_ms = sum(r.get(k) or 0.0 for k in parts)
+            case.handoff_ms = handoff_ms_of(r, mode)
         case.floor_ms = floor_ms(spec, case.kv_bytes, link)
     except Exception as exc:  # every failure is a row of the report
         case.error = f"{type(exc).__name__}: {exc}"[:800]
     return case
+
+
+def handoff_ms_of(record: dict[str, Any], mode: str) -> float:
+    """The KV's part of one transfer record: pull's pin and READ (the slower
+    of the two when the pin ran beside the READ, ``pin_with_read``, else
+    their sum), push's wait for P's WRITE."""
+    parts = [float(record.get(k) or 0.0) for k in (
+        ("pin_ms", "read_ms") if mode == "pull" else ("write_wait_ms",))]
+    return max(parts) if record.get("pin_with_read") is True else sum(parts)
 
 
 def measure_link(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
