@@ -148,9 +148,8 @@ class HandshakeWatch:
         self._watched = sock
         # A fresh endpoint per watch: pyzmq's default names it after the
         # socket's descriptor, which the next socket reuses while the old
-        # monitor may still be bound there; the new watch then either fails
-        # ("Address already in use") or hears nothing, and a refused
-        # handshake looked like a peer that never answers (a CI flake).
+        # monitor may still be bound there, and the new watch then fails
+        # with "Address already in use" (seen under load).
         self.socket = sock.get_monitor_socket(
             FAILED_EVENTS, addr=f"inproc://pd-handshake-watch-{os.getpid()}-{next(_watch_ids)}")
 
