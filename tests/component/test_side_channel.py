@@ -407,7 +407,10 @@ def test_close_while_a_handler_is_busy_never_closes_the_socket_under_it(service,
     srv = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, service)
     real = srv._handlers[proto.HandshakeRequest]
 
+    running = threading.Event()
+
     def slow(msg):
+        running.set()
         time.sleep(2.5)
         return real(msg)
 
@@ -417,7 +420,10 @@ def test_close_while_a_handler_is_busy_never_closes_the_socket_under_it(service,
     t = threading.Thread(target=lambda: box.setdefault("reply", slow_client.request(
         HOST, port, proto.HandshakeRequest(engine_id="eng-d", tp_rank=0, compat=compat()))))
     t.start()
-    time.sleep(0.3)  # the handler is running
+    # Wait for the handler itself: a fixed sleep was sometimes shorter than
+    # the connect under CI load, the server then stopped before it read the
+    # request and the client timed out (a flake, not the property tested).
+    assert running.wait(timeout=10)
     srv.close()
     t.join(timeout=10)
     slow_client.close()
