@@ -45,11 +45,29 @@ DEPLOYMENTS = {
     "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
                  "--proxy-args=--no-first-token-from-prefill"],
 }
-#: An idle rate per model (requests per second): one prefill at a time.
+#: An idle rate per model (requests per second): P busy about a fifth of
+#: the time, so prefills rarely overlap (rate = 0.2 / prefill seconds, the
+#: prefills as measured on our 2-core CPU host: tiny 0.09, 0.2, 0.68 and
+#: about 3.5 s at 128, 300, 1,000 and 4,000 tokens; bench 0.8, 1.6 and
+#: about 6 s at 128, 300 and 1,000).
 RATES: dict[str, dict[int, float]] = {
-    "tiny": {128: 2, 300: 2, 1000: 2, 4000: 1},
-    "bench": {128: 1, 300: 1, 1000: 0.5, 4000: 0.15},
+    "tiny": {128: 2, 300: 1, 1000: 0.3, 4000: 0.06},
+    "bench": {128: 0.25, 300: 0.12, 1000: 0.03, 4000: 0.005},
 }
+
+
+#: Prompt lengths are uniform in tokens x (1 +- JITTER) (none the same).
+JITTER = 0.02
+
+
+def model_positions(model: str) -> int:
+    """The model's ``max_position_embeddings`` (vLLM refuses a longer
+    ``--max-model-len``); 4,096 when its config does not say."""
+    try:
+        config = json.loads((Path(".models") / model / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    return int(config.get("max_position_embeddings", 4096))
 
 
 def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
@@ -57,13 +75,18 @@ def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
     if (out / "result.json").exists() and not args.rerun:
         return out
     rate = args.rate or RATES.get(model, {}).get(length, 1)
+    positions = model_positions(model)
+    # The jitter may not push a prompt and its answer past the model's
+    # positions (4,000 tokens +2% and 16 more is 4,096 with the tiny and
+    # bench models' 4,096; 8 spare for rounding and a BOS): shrink it for the
+    # longest prompts only.
+    jitter = max(0.0, min(JITTER, (positions - args.output_tokens - 8 - length) / length))
     cmd = [sys.executable, "-m", "vllm_pd_ext.tools.slo.cli", "compare",
            "--model", f".models/{model}", "--prompt-tokens", str(length),
-           "--prompt-jitter", "0.02", "--rates", str(rate), "--requests", str(args.requests),
+           "--prompt-jitter", f"{jitter:.4f}", "--rates", str(rate),
+           "--requests", str(args.requests),
            "--warmup", str(args.warmup), "--output-tokens", str(args.output_tokens),
-           # The next power of two above the longest prompt and its answer.
-           "--max-model-len", str(max(4096, 1 << int(length * 1.02 + args.output_tokens)
-                                      .bit_length())),
+           "--max-model-len", str(positions),
            "--slo", "ttft:100000,tpot:10000,itl:10000", "--no-progress",
            "--out-dir", str(out), *DEPLOYMENTS[name]]
     print("$", " ".join(cmd), flush=True)
@@ -87,8 +110,9 @@ def fmt(x: float | None, digits: int = 1) -> str:
 def report(root: Path) -> list[str]:
     lines = ["| model | prompt | deployment | TTFT p50 / p99 ms | TTFT ratio p50 / p99 | "
              "token #1->#2 gap p50 ms | gap / (transfer + step) p50 / p99 | "
-             "orchestration p50 / p99 ms | of which to D / pin / step waits p50 ms | seeded |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "orchestration p50 / p99 ms | of which to D / pin / step waits p50 ms | "
+             "step waits: scheduler / worker / crossings p50 ms | seeded |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in sorted(root.iterdir(), key=lambda p: (p.name.split("-")[0],
                                                       int(p.name.split("-")[-1]))):
         model, length = case.name.rsplit("-", 1)
@@ -111,6 +135,8 @@ def report(root: Path) -> list[str]:
                 f"{fmt(orch.get('p50'), 2)} / {fmt(orch.get('p99'), 2)} | "
                 + " / ".join(fmt((h.get(k) or {}).get("p50"), 2)
                              for k in ("to_d_ms", "pin_ms", "step_wait_ms"))
+                + " | " + " / ".join(fmt((h.get(k) or {}).get("p50"), 2)
+                                     for k in ("sched_ms", "worker_extra_ms", "crossings_ms"))
                 + f" | {h.get('seeded', '-')}/{h.get('count', '-')} |")
     return lines
 

@@ -217,6 +217,10 @@ def test_pull_copies_blocks_and_releases(make_pair, slab):
     # The pin ran beside the READ (issue 29): the load waited for the slower.
     assert rec.pin_with_read is True
     assert rec.handshake_ms + max(rec.pin_ms, rec.read_ms) <= took_ms
+    # The worker's own span holds those phases and ends with the report.
+    assert rec.worker_ms is not None
+    assert rec.handshake_ms + max(rec.pin_ms, rec.read_ms) <= rec.worker_ms + 0.01
+    assert rec.worker_ms <= took_ms
     # The pair's lease is 30 s unless set: the READ started with nearly all of it left.
     assert rec.lease_left_s is not None and 25 < rec.lease_left_s <= 30
     assert pair.d_worker.build_worker_meta() is None  # taken

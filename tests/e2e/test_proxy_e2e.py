@@ -207,8 +207,15 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
     assert rec["read_ms"] > 0 and rec["pin_ms"] > 0 and rec["handshake_ms"] > 0
     # The worker's phases (its job's arrival to the READ's end) lie within
     # the scheduler's span (the request's arrival to its KV reported loaded).
-    phases = rec["handshake_ms"] + rec["pin_ms"] + rec["read_ms"]
-    assert phases <= rec["kv_ready_ms"] + 0.01, (phases, rec)
+    # The pin ran beside the READ (issue 29).
+    assert rec["pin_with_read"] is True
+    phases = rec["handshake_ms"] + max(rec["pin_ms"], rec["read_ms"])
+    assert phases <= rec["worker_ms"] + 0.01, (phases, rec)
+    # The scheduler's pass and the worker's span lie within kv_ready (one
+    # host: CLOCK_MONOTONIC is shared by D's processes); the rest is the
+    # crossings of vLLM's step queues.
+    assert rec["sched_ms"] >= 0 and rec["sched_ms"] + rec["worker_ms"] <= rec[
+        "kv_ready_ms"] + 0.01, rec
     logged = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
               if r is not None and r.request_id == rec["request_id"]]
     assert [telemetry.to_dict(r) for r in logged] == [rec]

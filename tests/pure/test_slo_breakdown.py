@@ -112,6 +112,29 @@ def test_step_wait_subtracts_the_pin_and_read_as_they_ran(beside):
     assert h["orchestration_ms"] == pytest.approx(7.5)  # handoff minus the READ either way
 
 
+def test_step_waits_split_into_scheduler_worker_and_crossings():
+    tele = telemetry()
+    # kv_ready 9.1 = 0.6 in the scheduler pass + 5.5 in the worker + 3.0
+    # crossing the step queues; the worker's 5.5 held the 3.0 pin beside
+    # the 2.0 READ, so 2.5 of it was the worker's own.
+    tele["transfer"].update(read_ms=2.0, pin_ms=3.0, pin_with_read=True, sched_ms=0.6,
+                            worker_ms=5.5)
+    h = handoff_of(_streamed(tele))
+    assert h is not None
+    assert h["sched_ms"] == pytest.approx(0.6)
+    assert h["worker_extra_ms"] == pytest.approx(2.5)
+    assert h["crossings_ms"] == pytest.approx(3.0)
+    # The three add up to the step waits.
+    assert h["sched_ms"] + h["worker_extra_ms"] + h["crossings_ms"] == pytest.approx(
+        h["step_wait_ms"])
+    # Summaries skip the split where a record has none (push, older runs).
+    push = telemetry("push", decode_sent=36.0, kv_ready=3.0)
+    push["transfer"]["write_wait_ms"] = 2.5
+    s = summarize_handoffs([_streamed(tele), _streamed(push)])
+    assert s["count"] == 2 and s["crossings_ms"]["p50"] == pytest.approx(3.0)
+    assert s["to_d_ms"]["p50"] is not None
+
+
 def test_push_handoff_takes_the_write_wait_as_the_bytes_time():
     tele = telemetry("push", decode_sent=36.0, kv_ready=3.0)
     tele["transfer"]["write_wait_ms"] = 2.5

@@ -101,6 +101,8 @@ class DRequest(Load):
     lease: tuple[str, str] | None = None
     #: When it arrived (monotonic): the start of its telemetry's ``kv_ready_ms``.
     arrived: float = 0.0
+    #: When its load left in a step's metadata (``take_step``); 0: not yet.
+    dispatched: float = 0.0
     #: Its load's telemetry, once the workers reported it.
     transfer: telemetry.TransferRecord | None = None
     #: A follower: the request whose load from the same P lease it waits for
@@ -281,6 +283,13 @@ class DRequests:
 
     def take_step(self) -> StepOut:
         out, self.out = self.out, StepOut()
+        if out.recv or out.push:
+            now = time.monotonic()
+            rids = [s.request_id for s in out.recv] + [s.request_id for s in out.push]
+            for rid in rids:
+                d = self._reqs.get(rid)
+                if d is not None and not d.dispatched:
+                    d.dispatched = now
         return out
 
     def poll(self) -> dict[str, tuple[str, str]]:
@@ -315,6 +324,8 @@ class DRequests:
             if d is not None and d.params is not None:
                 params = d.params
                 fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
+                if d.dispatched:
+                    fill["sched_ms"] = telemetry.ms(d.dispatched - d.arrived)
                 if not rec.p_engine:
                     fill.update(p_engine=str(params.remote_engine_id),
                                 p_addr=f"{params.remote_host}:{params.remote_port}")

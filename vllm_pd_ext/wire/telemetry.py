@@ -12,7 +12,8 @@ of every peer ask about). Lifecycle of a record:
    request are merged there (``merge``: bytes and descriptors add up, phase
    times take the slowest rank, a failure wins over success).
 3. D's scheduler adds ``kv_ready_ms`` (the request's arrival at D's
-   scheduler to its KV reported loaded), writes it as one structured log
+   scheduler to its KV reported loaded) and ``sched_ms`` (that arrival to
+   the load leaving for the workers), writes it as one structured log
    line (``log_line``), and, with ``transfer_telemetry_in_response``, puts
    it in the final answer's ``kv_transfer_params`` under ``pd_transfer``,
    from where the proxy (``--transfer-telemetry``) and a benchmark read it.
@@ -32,7 +33,7 @@ PARAMS_KEY = "pd_transfer"
 #: The structured log line's prefix; the rest of the line is one JSON object.
 LOG_PREFIX = "PDConnector: transfer "
 
-_PHASES = ("handshake_ms", "pin_ms", "read_ms", "register_ms", "write_wait_ms")
+_PHASES = ("handshake_ms", "pin_ms", "read_ms", "register_ms", "write_wait_ms", "worker_ms")
 
 
 class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -72,6 +73,14 @@ class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     lease_left_s: float | None = None
     #: D's scheduler: the request's arrival to its KV reported loaded.
     kv_ready_ms: float | None = None
+    #: D's scheduler: the request's arrival to its load leaving in the
+    #: step's metadata for the workers (the rest of that scheduler pass).
+    sched_ms: float | None = None
+    #: D's worker (pull): the load reaching the worker to the worker
+    #: reporting it (handshake, pin, READ and the wait for a step to report).
+    #: ``kv_ready - sched - worker`` is then the two crossings between
+    #: scheduler and workers (vLLM's step queues) and the steps around them.
+    worker_ms: float | None = None
     #: Worker ranks merged into this record.
     ranks: int = 1
 

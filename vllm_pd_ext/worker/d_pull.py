@@ -198,6 +198,8 @@ class RecvJob:
                     else None),
             read_ms=telemetry.ms(read_end - self.posted) if self.posted else None,
             pin_with_read=bool(self.pin_sent) or None,
+            # Built when the load is found ended, in the step that reports it.
+            worker_ms=telemetry.ms(now - self.arrived),
             lease_left_s=(round(self.valid_until - self.posted, 3)
                           if self.posted and self.valid_until else None))
 

@@ -77,7 +77,8 @@ def summarize_breakdowns(results: Iterable[RequestResult]) -> dict[str, Any]:
 
 
 HANDOFF = ("first_gap_ms", "decode_step_ms", "transfer_ms", "gap_ratio", "handoff_ms",
-           "orchestration_ms", "to_d_ms", "pin_ms", "step_wait_ms")
+           "orchestration_ms", "to_d_ms", "pin_ms", "step_wait_ms",
+           "sched_ms", "worker_extra_ms", "crossings_ms")
 
 
 def handoff_of(result: RequestResult) -> dict[str, float] | None:
@@ -103,7 +104,13 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
       READ when the record says ``pin_with_read``; push: the registration
       round trip) and ``step_wait_ms`` (the rest of ``kv_ready``: waiting
       for engine steps to start the load and to report it, and the
-      handshake when not cached).
+      handshake when not cached). When the record has ``sched_ms`` and
+      ``worker_ms`` (pull), the step waits split further into
+      ``sched_ms`` (the rest of D's scheduler pass after the arrival),
+      ``worker_extra_ms`` (in D's worker beyond the pin and READ: handshake,
+      posting, and waiting for a step to report) and ``crossings_ms`` (the
+      remainder: the two crossings of vLLM's step queues, scheduler to
+      workers and back, with the work of the steps around them).
     """
     tele = result.telemetry
     if not isinstance(tele, Mapping) or len(result.itl_s) < 2:
@@ -129,11 +136,16 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     # The pin beside the READ (``pin_with_read``): the load waited for the
     # slower of the two; before, for both in turn.
     waited = max(moved, pin) if transfer.get("pin_with_read") is True else moved + pin
-    return {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
-            "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
-            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
-            "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin,
-            "step_wait_ms": max(0.0, ready - waited)}
+    out = {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
+           "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
+           "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
+           "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin,
+           "step_wait_ms": max(0.0, ready - waited)}
+    sched, worker = _number(transfer, "sched_ms"), _number(transfer, "worker_ms")
+    if sched is not None and worker is not None:
+        out.update(sched_ms=sched, worker_extra_ms=max(0.0, worker - waited),
+                   crossings_ms=max(0.0, ready - sched - worker))
+    return out
 
 
 def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
@@ -153,6 +165,6 @@ def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
         seeded += proxy.get("first_token") == "seeded"
     out: dict[str, Any] = {"count": len(rows), "seeded": seeded}
     for name in HANDOFF:
-        xs = [row[name] for row in rows]
+        xs = [row[name] for row in rows if name in row]
         out[name] = {"p50": percentile(xs, 50), "p99": percentile(xs, 99)}
     return out
