@@ -216,6 +216,8 @@ def test_transfer_telemetry_through_proxy(ref: Engine, p: Engine, d: Engine, mod
     # crossings of vLLM's step queues.
     assert rec["sched_ms"] >= 0 and rec["sched_ms"] + rec["worker_ms"] <= rec[
         "kv_ready_ms"] + 0.01, rec
+    # D's API server stamped the request before its scheduler saw it.
+    assert rec["api_ms"] > 0, rec
     logged = [r for r in map(telemetry.parse_log_line, d.log_text().splitlines())
               if r is not None and r.request_id == rec["request_id"]]
     assert [telemetry.to_dict(r) for r in logged] == [rec]

@@ -27,6 +27,20 @@ def test_pull_split_by_hand():
                                "first_step_ms": 15.3})  # 60 - 35.2 - 9.5
 
 
+def test_d_api_server_time_counts_in_the_handoff_and_to_d():
+    """``api_ms`` (D's API server and input queue) lies between the proxy
+    sending D's leg and D's scheduler seeing it: the handoff holds it."""
+    tele = telemetry()
+    tele["transfer"].update(api_ms=2.5, read_ms=2.0)
+    b = ttft_breakdown(60.0, tele)
+    assert b is not None and b["handoff_ms"] == pytest.approx(12.0)  # 35.6 + 2.5 + 9.1 - 35.2
+    assert b["first_step_ms"] == pytest.approx(12.8)
+    h = handoff_of(_streamed(tele))
+    assert h is not None
+    assert h["to_d_ms"] == pytest.approx(2.9)  # 0.4 in the proxy + 2.5 in D's API server
+    assert h["orchestration_ms"] == pytest.approx(10.0)  # 12.0 minus the 2.0 READ
+
+
 def test_push_handoff_is_what_remains_after_p_answered():
     # D's leg left with P's at 0.5 ms; its KV was ready at 0.5 + 40 = 40.5 ms: 5.3 ms after P
     b = ttft_breakdown(50.0, telemetry("push", decode_sent=0.5, kv_ready=40.0))

@@ -7,6 +7,7 @@ transport) as ``KVConnectorOutput``; every test ends with the leak check.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from pdsched import (
@@ -26,6 +27,7 @@ from pdsched import (
 from pdunit_utils import free_port, wait_for
 from vllm.v1.request import RequestStatus
 
+from vllm_pd_ext import compat
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
@@ -356,6 +358,11 @@ def test_d_remote_prefill_lifecycle(make_scheduler):
     assert (spec.remote_host, spec.remote_port, spec.remote_tp_size) == (HOST, dead_p, 1)
     assert spec.num_tokens == 100
     assert num_free(sched) == total_free - 4
+    # Telemetry: D's API server stamped the request (vLLM's arrival_time)
+    # just before the scheduler saw it; the load left in this step.
+    d = pd(sched).d._reqs[req.request_id]
+    assert d.api_s is not None and 0 <= d.api_s < 5
+    assert d.arrived <= d.dispatched
     # Heartbeats to a dead P fail in the background; the engine keeps stepping.
     for _ in range(3):
         out, _ = step(sched)
@@ -820,3 +827,12 @@ def test_d_refuses_seeded_tokens_that_leave_no_prompt_or_another_prefix(make_sch
     assert "another prompt" in meta.reqs_to_fail[other.request_id][1]
     step(sched, finished_recving={other.request_id}, failed_recving={other.request_id})
     assert_empty_after_step(sched)
+
+
+def test_since_api_arrival_trusts_only_a_plausible_stamp():
+    now = time.time()
+    assert 0 <= compat.since_api_arrival(SimpleNamespace(arrival_time=now - 0.002)) < 1
+    # Missing, not a number, in the future (another host's clock), or stale.
+    for stamp in (None, True, "1.0", now + 5, now - 7200):
+        assert compat.since_api_arrival(SimpleNamespace(arrival_time=stamp)) is None
+    assert compat.since_api_arrival(object()) is None

@@ -181,6 +181,20 @@ def is_rejection_notice(request: Any) -> bool:
 _CHILD_ID = re.compile(r"[0-9]+_(.+)", re.DOTALL)
 
 
+def since_api_arrival(request: Any) -> float | None:
+    """Seconds since D's API server stamped ``request`` (vLLM's renderer
+    sets ``arrival_time``, wall clock, before tokenizing); None when it is
+    not a plausible stamp (missing, in the future, or over an hour old: the
+    API server on another host with another clock)."""
+    import time
+
+    stamp = getattr(request, "arrival_time", None)
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float):
+        return None
+    since = time.time() - float(stamp)
+    return since if 0 <= since < 3600 else None
+
+
 def sibling_group(request_id: str) -> str:
     """The client request an engine request belongs to: vLLM names the
     ``n``/``best_of`` children of one request ``f"{index}_{parent_id}"``

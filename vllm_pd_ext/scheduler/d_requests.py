@@ -103,6 +103,9 @@ class DRequest(Load):
     arrived: float = 0.0
     #: When its load left in a step's metadata (``take_step``); 0: not yet.
     dispatched: float = 0.0
+    #: D's API server stamping the request to this scheduler seeing it, s
+    #: (None: not known).
+    api_s: float | None = None
     #: Its load's telemetry, once the workers reported it.
     transfer: telemetry.TransferRecord | None = None
     #: A follower: the request whose load from the same P lease it waits for
@@ -217,7 +220,8 @@ class DRequests:
                          f"which request {user} on this engine is already using")
             return
         self.lease_users[lease] = rid
-        self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic())
+        self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic(),
+                                   api_s=compat.since_api_arrival(request))
         assert params.remote_host is not None and params.remote_port is not None
         self.heartbeats.track(rid, (params.remote_host, params.remote_port), key)
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
@@ -326,6 +330,8 @@ class DRequests:
                 fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
                 if d.dispatched:
                     fill["sched_ms"] = telemetry.ms(d.dispatched - d.arrived)
+                if d.api_s is not None:
+                    fill["api_ms"] = telemetry.ms(d.api_s)
                 if not rec.p_engine:
                     fill.update(p_engine=str(params.remote_engine_id),
                                 p_addr=f"{params.remote_host}:{params.remote_port}")

@@ -71,6 +71,10 @@ class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     write_wait_ms: float | None = None
     #: Seconds left on P's lease when the READ was posted (pull).
     lease_left_s: float | None = None
+    #: D's API server and input queue: vLLM stamping the request's
+    #: ``arrival_time`` (its renderer, before tokenizing) to D's scheduler
+    #: seeing it; both wall-clock reads on D's host.
+    api_ms: float | None = None
     #: D's scheduler: the request's arrival to its KV reported loaded.
     kv_ready_ms: float | None = None
     #: D's scheduler: the request's arrival to its load leaving in the

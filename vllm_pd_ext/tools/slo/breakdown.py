@@ -11,10 +11,13 @@ The split (all ms):
 
     front       = prefill_sent                        proxy's own work before P's leg
     prefill     = prefill_done - prefill_sent         P's queue and compute
-    handoff     = max(0, decode_sent + kv_ready - prefill_done)
-                                                      P answered -> D's KV ready; in push
-                                                      mode D's leg leaves with P's, so
-                                                      this is what remains after P answered
+    handoff     = max(0, decode_sent + api + kv_ready - prefill_done)
+                                                      P answered -> D's KV ready; ``api``
+                                                      (``transfer.api_ms``, 0 in records
+                                                      without it) is D's API server and
+                                                      input queue; in push mode D's leg
+                                                      leaves with P's, so this is what
+                                                      remains after P answered
     first_step  = max(0, ttft - prefill_done - handoff)
                                                       D's first step and the way back
 
@@ -41,6 +44,16 @@ def _number(section: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _handoff(done: float, decode_sent: float, transfer: Mapping[str, Any],
+             kv_ready: float) -> float:
+    """P's answer to D's KV ready: the proxy's part (P's answer to D's leg
+    sent), D's API server and input queue (``api_ms``; records made before
+    it existed lack it and count 0), then D's scheduler (``kv_ready``)."""
+    # D's leg may leave before P answers (push without token #1 from P):
+    # then what remains after P's answer counts.
+    return max(0.0, decode_sent + (_number(transfer, "api_ms") or 0.0) + kv_ready - done)
+
+
 def ttft_breakdown(ttft_ms: float, telemetry: Mapping[str, Any] | None) -> dict[str, float] | None:
     """The split above; None unless the mode is pull or push and the
     needed keys are numbers."""
@@ -57,7 +70,7 @@ def ttft_breakdown(ttft_ms: float, telemetry: Mapping[str, Any] | None) -> dict[
     kv_ready = _number(transfer, "kv_ready_ms")
     if sent is None or done is None or decode_sent is None or kv_ready is None:
         return None
-    handoff = max(0.0, decode_sent + kv_ready - done)
+    handoff = _handoff(done, decode_sent, transfer, kv_ready)
     return {"front_ms": sent, "prefill_ms": done - sent, "handoff_ms": handoff,
             "first_step_ms": max(0.0, ttft_ms - done - handoff)}
 
@@ -100,11 +113,13 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
       beyond the bytes, split into
       ``to_d_ms`` (``handoff - kv_ready``: P's answer to D's scheduler
       seeing the request: the proxy, HTTP, D's API server and its engine
-      core's input queue), ``pin_ms`` (pull: the pin round trip, beside the
-      READ when the record says ``pin_with_read``; push: the registration
-      round trip) and ``step_wait_ms`` (the rest of ``kv_ready``: waiting
-      for engine steps to start the load and to report it, and the
-      handshake when not cached). When the record has ``sched_ms`` and
+      core's input queue; ``api_ms`` of the record is the last two, and
+      records without it leave them out of the handoff), ``pin_ms``
+      (pull: the pin round trip, beside the READ when the record says
+      ``pin_with_read``; push: the registration round trip) and
+      ``step_wait_ms`` (the rest of ``kv_ready``: waiting for engine steps
+      to start the load and to report it, and the handshake when not
+      cached). When the record has ``sched_ms`` and
       ``worker_ms`` (pull), the step waits split further into
       ``sched_ms`` (the rest of D's scheduler pass after the arrival),
       ``worker_extra_ms`` (in D's worker beyond the pin and READ: handshake,
@@ -129,7 +144,7 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     rest = sorted(result.itl_s[1:])
     step = rest[len(rest) // 2] * 1000
     gap = result.itl_s[0] * 1000
-    handoff = max(0.0, sent + ready - done)
+    handoff = _handoff(done, sent, transfer, ready)
     pin = _number(transfer, "pin_ms")
     if pin is None:
         pin = _number(transfer, "register_ms") or 0.0
