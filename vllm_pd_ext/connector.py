@@ -49,7 +49,8 @@ class PDConnector(KVConnectorBase_V1):
             # The EngineCore process's setup, in one explicit call that logs
             # each patch of vLLM (and the CPU affinity) as applied or skipped.
             patches.apply(patches.Process.ENGINE_CORE, patches.Context(
-                cfg, vllm_config, on_shutdown=self._scheduler.on_engine_shutdown))
+                cfg, vllm_config, on_shutdown=self._scheduler.on_engine_shutdown,
+                loads_reported=self._scheduler.take_loads_reported))
         else:
             from vllm_pd_ext.worker.dispatcher import PDWorker
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -64,3 +65,33 @@ def test_probes_name_what_moved() -> None:
     assert "def touch_all" in str(patches._needs(pool, "def touch_all")())
     assert "no 'touch_all'" in str(patches._needs(f"{pool}.touch_all")())
     assert "no field 'nope'" in str(patches._has_field("vllm.config.VllmConfig", "nope")())
+    assert patches._needs_once("vllm.v1.engine.core", "time.sleep(")() is None
+    assert "times, not once" in str(patches._needs_once(pool, "def ")())
+
+
+def test_idle_yield_is_skipped_only_when_the_connector_says_work_is_ready(monkeypatch) -> None:
+    """The EngineCore loop's 1 ms yield after a model-less step: skipped
+    once per report of a finished load, kept otherwise; every other use of
+    ``time`` is the real module."""
+    import time
+
+    from vllm_pd_ext.compat import engine as engine_patches
+
+    slept: list[float] = []
+    fake_time = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)
+    ready = [False]
+
+    def work_ready() -> bool:
+        was, ready[0] = ready[0], False
+        return was
+
+    loop_time = engine_patches._LoopTime(fake_time, work_ready)
+    loop_time.sleep(0.001)
+    ready[0] = True
+    loop_time.sleep(0.001)  # skipped, and the flag is taken
+    loop_time.sleep(0.001)
+    ready[0] = True
+    loop_time.sleep(0.5)  # not the idle yield: kept (and the flag is not taken)
+    assert slept == [0.001, 0.001, 0.5] and ready[0] is True
+    assert loop_time.monotonic is time.monotonic
+

@@ -369,8 +369,12 @@ def test_d_remote_prefill_lifecycle(make_scheduler):
         assert out.kv_connector_metadata.reqs_to_recv == []
         assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     assert wait_for(lambda: pd(sched).heartbeats._thread is not None)
+    assert pd(sched).take_loads_reported() is False
     # The worker reports the load done: the request runs its last token and decodes.
     step(sched, finished_recving={req.request_id})
+    # The EngineCore may skip its idle yield once: the next step has work.
+    assert pd(sched).take_loads_reported() is True
+    assert pd(sched).take_loads_reported() is False
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {req.request_id: 1}
     assert req.request_id not in pd(sched).heartbeats._tracked

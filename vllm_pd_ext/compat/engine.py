@@ -161,3 +161,50 @@ def on_engine_shutdown(callback: Callable[[], None]) -> bool:
         signal.signal(sig, handler)
         chained = True
     return chained
+
+
+#: The pause vLLM's EngineCore loop takes after a step that ran no model
+#: while requests remain (``EngineCore._process_engine_step``).
+IDLE_YIELD_S = 0.001
+
+
+class _LoopTime:
+    """``time`` as vLLM's EngineCore module sees it, except that the idle
+    yield after a step is skipped when ``work_ready()`` says the next step
+    has work (one call per yield). Everything else is the real module."""
+
+    def __init__(self, real: Any, work_ready: Callable[[], bool]) -> None:
+        self._real = real
+        self._work_ready = work_ready
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def sleep(self, seconds: float) -> None:
+        if seconds == IDLE_YIELD_S and self._work_ready():
+            return
+        self._real.sleep(seconds)
+
+
+def skip_idle_yield_when(work_ready: Callable[[], bool]) -> bool:
+    """Let this EngineCore skip its 1 ms idle yield when ``work_ready()``;
+    False if already done.
+
+    After a step that ran no model while requests remain (on D: a request
+    waiting for its KV), vLLM sleeps 1 ms "to allow background transfer
+    threads to make progress". When that very step reported a load done,
+    the next step has work: the request whose KV just arrived computes its
+    first token, and the sleep only delays it (by 1.06 ms on our CPU host,
+    between the load's report and the step that uses it). The connector
+    answers ``work_ready`` (``PDScheduler.take_loads_reported``); every
+    other yield is kept. vLLM-version specific, hence here: the module's
+    ``time`` is replaced, which no other code of that module would notice.
+    """
+    import vllm.v1.engine.core as core
+
+    real = vars(core)["time"]
+    if isinstance(real, _LoopTime):
+        return False
+    # The module's only time.sleep is that yield (patches.py probes it).
+    setattr(core, "time", _LoopTime(real, work_ready))  # noqa: B010 - not exported
+    return True

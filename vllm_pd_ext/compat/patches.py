@@ -65,6 +65,9 @@ class Context:
     vllm_config: Any = None
     #: EngineCore: called on vLLM's SIGTERM/SIGINT (``engine_shutdown_hook``).
     on_shutdown: Callable[[], None] | None = None
+    #: EngineCore: True once after a step reported a KV load done
+    #: (``skip_idle_yield``).
+    loads_reported: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,18 @@ def _needs(path: str, *snippets: str) -> Callable[[], str | None]:
     return probe
 
 
+def _needs_once(path: str, snippet: str) -> Callable[[], str | None]:
+    """A probe: ``path``'s source contains ``snippet`` exactly once."""
+    def probe() -> str | None:
+        try:
+            obj = _import(path)
+        except LookupError as exc:
+            return str(exc)
+        n = _source(obj).count(snippet)
+        return None if n == 1 else f"{path} contains {snippet!r} {n} times, not once"
+    return probe
+
+
 def _has_field(path: str, name: str) -> Callable[[], str | None]:
     def probe() -> str | None:
         try:
@@ -178,6 +193,15 @@ def _apply_shutdown_hook(ctx: Context) -> str:
     if not engine_patches.on_engine_shutdown(ctx.on_shutdown):
         raise Skip("vLLM's EngineCore signal handler is not installed in this process")
     return "SIGTERM/SIGINT also tell the connector (granted leases keep a drain stepping)"
+
+
+def _apply_skip_idle_yield(ctx: Context) -> str:
+    if ctx.loads_reported is None:
+        raise Skip("no callback")
+    if not engine_patches.skip_idle_yield_when(ctx.loads_reported):
+        raise Skip("already applied in this process")
+    return ("the EngineCore's 1 ms idle yield is skipped after a step that reported a KV "
+            "load done (the next step computes with it)")
 
 
 def _apply_drain_window(ctx: Context) -> str:
@@ -242,6 +266,19 @@ PATCHES: tuple[Patch, ...] = (
         _needs("vllm.v1.engine.core", "signal.signal(signal.SIGTERM",
                "signal.signal(signal.SIGINT"),
         _apply_shutdown_hook),
+    Patch(
+        "skip_idle_yield", "vllm.v1.engine.core.EngineCoreProc._process_engine_step (its "
+        "time.sleep(0.001) after a step without a model run)",
+        _V, (Process.ENGINE_CORE,),
+        "after the step that reports a KV load done, the 1 ms yield only delays the step that "
+        "computes with it (issue 29: the gap between token #1 and token #2)",
+        # The patch swaps the module's ``time``: that yield must be its only sleep.
+        _all(_needs("vllm.v1.engine.core", "import time"),
+             _needs_once("vllm.v1.engine.core", "time.sleep("),
+             _needs("vllm.v1.engine.core.EngineCoreProc._process_engine_step",
+                    "if not model_executed and self.scheduler.has_requests():",
+                    "time.sleep(0.001)")),
+        _apply_skip_idle_yield),
     Patch(
         "drain_window", "VllmConfig.shutdown_timeout (set when 0)",
         _V, (Process.ENGINE_CORE,),

@@ -122,6 +122,8 @@ class PDScheduler:
                            telemetry_in_answer=cfg.transfer_telemetry_in_response)
         #: P's requests, by id, from arrival to ``request_finished`` (D's are in ``d``).
         self._legs: dict[str, DecodedLeg] = {}
+        #: This step's workers reported a KV load ended (``take_loads_reported``).
+        self._loads_reported = False
         #: This step's waiting requests vLLM asked about and has not allocated
         #: yet: the blocks each needs (``get_num_new_matched_tokens``).
         self._unallocated: dict[str, int] = {}
@@ -229,11 +231,16 @@ class PDScheduler:
         if meta is not None:
             self.d.on_records(list(getattr(meta, "records", ())))
         failed = output.failed_recving or ()
+        if output.finished_recving:
+            self._loads_reported = True
         for rid in output.finished_recving or ():
             if not self.readback.loaded(rid, rid in failed):
                 self.d.reported(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
+        # A new step: a report of the last one that no yield consumed (the
+        # step ran the model, so the loop did not pause) must not skip a later one.
+        self._loads_reported = False
         push_fail = self.d.poll()
         out = self.d.take_step()
         meta = PDConnectorMetadata(
@@ -253,6 +260,13 @@ class PDScheduler:
                 len(getattr(scheduler_output, "finished_req_ids", ()) or ())):
             self.idle.wait()
         return meta
+
+    def take_loads_reported(self) -> bool:
+        """True once after a step whose workers reported a KV load ended
+        (done or failed): the next step has work with it, so the EngineCore
+        need not pause first (``compat.engine.skip_idle_yield_when``)."""
+        reported, self._loads_reported = self._loads_reported, False
+        return reported
 
     def _sweep(self) -> None:
         """Free the blocks of released and expired leases (this thread only).
