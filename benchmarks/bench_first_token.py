@@ -45,14 +45,15 @@ DEPLOYMENTS = {
     "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
                  "--proxy-args=--no-first-token-from-prefill"],
 }
-#: An idle rate per model (requests per second): P busy about a fifth of
-#: the time, so prefills rarely overlap (rate = 0.2 / prefill seconds, the
-#: prefills as measured on our 2-core CPU host: tiny 0.09, 0.2, 0.68 and
-#: about 3.5 s at 128, 300, 1,000 and 4,000 tokens; bench 0.8, 1.6 and
-#: about 6 s at 128, 300 and 1,000).
+#: An idle rate per model (requests per second): P busy at most a fifth of
+#: the time, so prefills rarely overlap (rate <= 0.2 / prefill seconds, the
+#: prefills as measured on our 2-core AVX2-only CPU host, bf16 without
+#: hardware support: tiny 0.1, 0.2, 0.7 and about 3.5 s at 128, 300, 1,000
+#: and 4,000 tokens; bench about 2 s at 128 and 5 s at 300, longer
+#: lengths extrapolated). A host with AVX-512 bf16 is about 10x faster.
 RATES: dict[str, dict[int, float]] = {
-    "tiny": {128: 2, 300: 1, 1000: 0.3, 4000: 0.06},
-    "bench": {128: 0.25, 300: 0.12, 1000: 0.03, 4000: 0.005},
+    "tiny": {128: 0.5, 300: 0.3, 1000: 0.3, 4000: 0.06},
+    "bench": {128: 0.05, 300: 0.04, 1000: 0.01, 4000: 0.002},
 }
 
 
