@@ -486,3 +486,38 @@ def test_handshake_refuses_sizes_that_do_not_divide_by_name(client):
                 compat=compat(tp_size=3, num_kv_heads=2, total_kv_heads=6)))
     finally:
         srv.close()
+
+
+def test_a_reply_that_came_before_the_peer_closed_is_still_read(monkeypatch):
+    """A peer that answers and closes at once (a P shutting down right after
+    a pin): the reply reached the client before the disconnect and must be
+    read, not dropped with the connection. With ``zmq.IMMEDIATE`` on the
+    client it was dropped and the request timed out (a CI flake of the
+    close test above, 64 of 150 replies lost in a loop)."""
+    ctx = zmq.Context()
+    srv = ctx.socket(zmq.ROUTER)
+    srv.setsockopt(zmq.LINGER, 2000)
+    srv.setsockopt(zmq.RCVTIMEO, 5000)
+    port = srv.bind_to_random_port(f"tcp://{HOST}")
+    client = SideChannelClient(timeout_s=5.0)
+    real_await = client._await
+
+    def read_late(addr, sock, event, deadline):
+        if event == zmq.POLLIN:
+            time.sleep(0.3)  # the reply lands and the peer closes meanwhile
+        real_await(addr, sock, event, deadline)
+
+    monkeypatch.setattr(client, "_await", read_late)
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("reply", client.request(
+        HOST, port, proto.LeaseRenew(engine_id="eng-d", request_ids=["r"]))))
+    t.start()
+    try:
+        frames = srv.recv_multipart()
+        srv.send_multipart([frames[0], b"", proto.encode(proto.Ack())])
+    finally:
+        srv.close()  # the linger flushes the reply, then the connection goes
+        ctx.term()
+    t.join(timeout=10)
+    client.close()
+    assert isinstance(box.get("reply"), proto.Ack), box

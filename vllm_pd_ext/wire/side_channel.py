@@ -154,14 +154,20 @@ class SideChannelServer:
         try:
             self._serve_until_stopped()
         finally:
-            self._close_sockets()
+            self._close_sockets(linger_ms=self.CLOSE_LINGER_MS)
             self._ctx.term()
 
-    def _close_sockets(self) -> None:
+    #: How long closing waits for replies still queued to go out. With no
+    #: linger, the answer of the message handled as ``close`` was called
+    #: could be dropped before libzmq's I/O thread wrote it (seen in CI
+    #: under load: the peer waited out its timeout instead).
+    CLOSE_LINGER_MS = 200
+
+    def _close_sockets(self, linger_ms: int = 0) -> None:
         self._watch.close()
         if self._zap is not None:
             self._zap.close()
-        self._sock.close()
+        self._sock.close(linger=linger_ms)
 
     def _serve_until_stopped(self) -> None:
         poller = zmq.Poller()
@@ -369,10 +375,11 @@ class SideChannelClient:
             if sock is None:
                 sock = self._ctx.socket(zmq.REQ)
                 sock.setsockopt(zmq.LINGER, 0)
-                # Queue the request only on a connection whose handshake
-                # passed: nothing leaves for a peer that refuses us, and the
-                # send's wait (``_await``) hears the refusal deterministically.
-                sock.setsockopt(zmq.IMMEDIATE, 1)
+                # Not ``IMMEDIATE``: with it, a reply that arrived just before
+                # the peer disconnected (a server closing right after it
+                # answered) was dropped with the pipe before we read it, and
+                # the request timed out. A refused handshake is heard anyway:
+                # both waits (``_await``) watch for it.
                 sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
                 if self.auth is not None:
                     curve.configure_client(sock, self.auth.keyring)
@@ -426,10 +433,10 @@ class SideChannelClient:
         """Wait until ``sock`` can send (``POLLOUT``) or has the reply
         (``POLLIN``); a refused handshake fails at once, with why.
 
-        Sending waits too (``IMMEDIATE``: no pipe before a handshake
-        passed). A blocking send sat out the whole timeout, deaf to the
-        refusal the monitor had reported: 1 refused handshake in about 500
-        under load came back as ``timeout`` (a CI flake of the attacker test).
+        Sending waits too: once a handshake was refused the socket has no
+        pipe, and a blocking send sat out the whole timeout, deaf to the
+        refusal the monitor had reported (1 refused handshake in about 500
+        under load came back as ``timeout``, a CI flake of the attacker test).
         """
         watch = self._watches[addr]
         poller = zmq.Poller()
