@@ -128,12 +128,16 @@ async def test_no_retry_after_first_byte(engines, proxy):
 
 
 async def test_prefill_timeout_is_504(engines, proxy):
-    p, d = await engines("prefill", delay=5), await engines("decode")
-    client = await proxy([p], [d], prefill_timeout=0.2)
-    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "a"}), 3)
+    # A timeout long enough for the leg to reach P on a loaded CI host (at
+    # 0.2 s it could expire while connecting: then P never saw the leg and
+    # had nothing to cancel), and a P that would hang far past the wait.
+    p, d = await engines("prefill", delay=30), await engines("decode")
+    client = await proxy([p], [d], prefill_timeout=1.0)
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "a"}), 10)
     assert resp.status == 504
     msg = (await resp.json())["error"]["message"]
     assert "timed out" in msg and p.url in msg
+    assert p.received.is_set(), "the leg never reached P: nothing for the proxy to close"
     await wait_for(lambda: p.cancelled.is_set())  # the hung leg was closed
 
 

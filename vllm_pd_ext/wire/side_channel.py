@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import zmq
@@ -42,6 +42,8 @@ from vllm_pd_ext.wire import curve
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import AuthError, FrameAuth
 from vllm_pd_ext.wire.protocol import LOCAL_CODES, ErrorCode
+
+_T = TypeVar("_T")
 
 logger = get_logger(__name__)
 
@@ -396,10 +398,10 @@ class SideChannelClient:
             else:
                 header, nonce = self.auth.sign_request(body)
                 frames = [header, body]
-            self._await(addr, sock, zmq.POLLOUT, deadline)
-            sock.send_multipart(frames, zmq.NOBLOCK)
-            self._await(addr, sock, zmq.POLLIN, deadline)
-            parts = sock.recv_multipart(zmq.NOBLOCK)
+            self._when_ready(addr, sock, zmq.POLLOUT, deadline,
+                             lambda: sock.send_multipart(frames, zmq.NOBLOCK))
+            parts: list[bytes] = self._when_ready(addr, sock, zmq.POLLIN, deadline,
+                                                  lambda: sock.recv_multipart(zmq.NOBLOCK))
         except zmq.ZMQError as exc:
             self._close(addr)
             timed_out = exc.errno == zmq.EAGAIN
@@ -428,6 +430,25 @@ class SideChannelClient:
         if isinstance(reply, proto.ErrorReply):
             raise SideChannelError(f"side channel {addr} refused: {reply.message}", reply.code)
         return reply
+
+    def _when_ready(self, addr: str, sock: zmq.Socket[bytes], event: int, deadline: float,
+                    op: Callable[[], _T]) -> _T:
+        """``op`` (a non-blocking send or receive) once ``sock`` is ready for it.
+
+        Ready is not a promise: a pipe whose handshake is refused between
+        the poll and ``op`` is gone, and ``op`` raises ``Again`` (4 in 200
+        refused handshakes came back as ``timeout`` at once, a CI failure
+        of the attacker test). So ``Again`` waits again, where the refusal
+        is heard, until the deadline.
+        """
+        while True:
+            self._await(addr, sock, event, deadline)
+            try:
+                return op()
+            except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.001)  # never a busy loop, whatever libzmq's poll says
 
     def _await(self, addr: str, sock: zmq.Socket[bytes], event: int, deadline: float) -> None:
         """Wait until ``sock`` can send (``POLLOUT``) or has the reply
