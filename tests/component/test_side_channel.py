@@ -181,10 +181,19 @@ def test_dead_port_times_out_quickly():
     port = free_port()  # nothing listens there
     c = SideChannelClient(timeout_s=0.3)
     try:
-        t0 = time.monotonic()
-        with pytest.raises(SideChannelError, match="did not answer"):
-            c.request(HOST, port, proto.LeaseRenew(engine_id="d", request_ids=["a"]))
-        assert time.monotonic() - t0 < 1.5
+        took = []
+        # Twice at most: once (in 2,000 tests beside the e2e tier) this
+        # process stalled 10 s in the middle of it, a stall of the host or
+        # of a thread another test left behind. A client that hangs past
+        # its timeout is slow both times.
+        for _ in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(SideChannelError, match="did not answer within 300 ms"):
+                c.request(HOST, port, proto.LeaseRenew(engine_id="d", request_ids=["a"]))
+            took.append(time.monotonic() - t0)
+            if took[-1] < 1.5:
+                break
+        assert min(took) < 1.5, took
         # The broken socket was dropped; a retry also times out instead of raising EFSM.
         with pytest.raises(SideChannelError, match="did not answer"):
             c.request(HOST, port, proto.LeaseRenew(engine_id="d", request_ids=["a"]))
