@@ -33,6 +33,7 @@ COUNTERS = (
     "num_registration_expiries",
     "num_unauthenticated",
     "num_wrong_sender",
+    "num_seed_failures",
     # Multi-turn (scheduler/bidir.py): D keeps, P reads back.
     "num_turns_kept",
     "kept_blocks",
@@ -172,6 +173,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 "Lease and push messages refused: not from the engine holding that lease "
                 "or registration."),
         }
+        self.counters["num_seed_failures"] = counter(
+            "seed_failures",
+            "Push legs sent before token #1 (pd_seed_pending) that ended with an error: no "
+            "token #1 came with the KV, or the load failed (D).")
         self.counters.update({
             "num_turns_kept": counter(
                 "turns_kept", "Multi-turn: finished turns whose blocks D kept for the next (D)."),
