@@ -8,7 +8,10 @@ other on cores 0 and 1:
 
 * ``aggregated``: two plain vLLM engines, no proxy hop;
 * ``pull`` / ``push``: P and D behind ``vllm-pd-proxy``, token #1 from P
-  (the default, "seeded");
+  (the default, "seeded"; push sends D's leg with P's and token #1 comes
+  with the KV, ``--concurrent-dispatch``);
+* ``push-seq``: push with ``--no-concurrent-dispatch`` (D's leg after P's
+  answer, the path before issue 29's second step);
 * ``pull-off`` / ``push-off``: the same with ``--no-first-token-from-prefill``
   (D computes token #1: the path before issue 29).
 
@@ -42,6 +45,8 @@ DEPLOYMENTS = {
     "pull-off": ["--only", "disaggregated", "--transfer-mode", "pull",
                  "--proxy-args=--no-first-token-from-prefill"],
     "push": ["--only", "disaggregated", "--transfer-mode", "push"],
+    "push-seq": ["--only", "disaggregated", "--transfer-mode", "push",
+                 "--proxy-args=--no-concurrent-dispatch"],
     "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
                  "--proxy-args=--no-first-token-from-prefill"],
 }

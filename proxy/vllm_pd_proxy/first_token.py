@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from .migration import continuation_body
+from .migration import COMPLETIONS_DEFAULT_MAX_TOKENS, continuation_body
 from .stream_track import next_text_offset
 
 _encode = msgspec.json.encode
@@ -190,7 +190,9 @@ def pending_body(body: dict[str, Any], stream: bool) -> dict[str, Any] | None:
     (a limit of 1): then no D leg goes at all."""
     out = {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens",
                                                        "kv_transfer_params")}
-    limit = body.get("max_tokens")
+    # vLLM's completions default when none is named: D's leg would get its
+    # own default again, one token too many after P's.
+    limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if type(limit) is int:
         if limit <= 1:
             return None

@@ -204,8 +204,16 @@ async def _run_seeded(
 def _concurrent(up: Upstream, ctx: RequestContext, body: dict[str, Any]) -> bool:
     """Whether a seeded request's D leg goes beside P's (``--concurrent-dispatch``):
     completions only (a chat leg's chunks are not a continuation's), and
-    not when P's token is the whole answer (no D leg at all)."""
+    not when P's token is the whole answer (no D leg at all).
+
+    And only a text prompt: D's API server detokenizes token #2 after the
+    prompt, never having seen token #1. Text ends on a whole character, so
+    token #2's text is the same after either (token #1's own text is whole,
+    or the request falls back); a prompt of token ids may end inside a
+    character, which token #1 completes, and then D's text for token #2
+    would differ (seen in the e2e tier with random token prompts)."""
     return (up.config.concurrent_dispatch and not ctx.chat and not ctx.responses
+            and isinstance(body.get("prompt"), str)
             and first_token.pending_body(body, ctx.stream) is not None)
 
 

@@ -38,7 +38,7 @@ async def test_d_leg_leaves_before_p_answers_and_token_one_still_comes_first(eng
     """D answers at once, P a while later: D's leg went out before P's
     answer, and nothing of D's reached the client before token #1."""
     p_engine = TokenEngine(answer_delay=0.3)
-    p, (d,), client = await pair(engines, proxy, p_engine)
+    _p, (d,), client = await pair(engines, proxy, p_engine)
     req = body(return_token_ids=True, stream_options={"include_usage": True})
     events = parse_sse(await (await client.post("/v1/completions", json=req)).read())
     ref = reference("/v1/completions", req, N)
@@ -107,3 +107,19 @@ async def test_off_sends_d_leg_after_p(engines, proxy):
     (d_leg,) = d.override.bodies
     assert d_leg["kv_transfer_params"]["pd_seeded_tokens"] == 1
     assert first_token_counts(client) == {("seeded", ""): 1}
+
+
+async def test_a_completion_without_max_tokens_gets_vllms_default_count(engines, proxy):
+    """vLLM answers a completions request that names no ``max_tokens`` with
+    16 tokens; D's leg after P's token #1 must stop one short of its own
+    default, in both push flows (and pull's continuation)."""
+    for mode, concurrent in (("push", True), ("push", False), ("pull", False)):
+        p = await engines("prefill", override=TokenEngine())
+        d = await engines("decode", override=TokenEngine())
+        client = await proxy([p], [d], transfer_mode=mode, first_token_from_prefill=True,
+                             concurrent_dispatch=concurrent)
+        req = {"model": "m", "prompt": PROMPT, "stream": True, "return_token_ids": True}
+        events = parse_sse(await (await client.post("/v1/completions", json=req)).read())
+        ids = [t for e in events[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
+        assert ids == reference("/v1/completions", req, 16), (mode, concurrent)
+        assert d.override.bodies[0]["max_tokens"] == 15

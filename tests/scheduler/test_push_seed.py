@@ -86,7 +86,7 @@ def test_seed_comes_with_the_write_and_d_computes_only_it(pair: Pair) -> None:
         worker_meta=PDWorkerMetadata(seeds={d_req.request_id: P_TOKEN}))
     # P's token #1 is the prompt's last token now; D's first step computed
     # it alone (a decode step's work), never P's prompt again.
-    assert list(d_req.prompt_token_ids) == same_prompt(n) + [P_TOKEN]
+    assert list(d_req.prompt_token_ids) == [*same_prompt(n), P_TOKEN]
     assert d_req.num_prompt_tokens == n + 1
     assert next(iter(scheduled.values())) == 1, scheduled
     assert sum(scheduled.values()) == d_req.max_tokens  # one step per token: no prefill
