@@ -95,6 +95,8 @@ def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
            "--max-model-len", str(positions),
            "--slo", "ttft:100000,tpot:10000,itl:10000", "--no-progress",
            "--out-dir", str(out), *DEPLOYMENTS[name]]
+    if args.text_prompts:
+        cmd.append("--text-prompts")
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return out
@@ -158,6 +160,9 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--out-dir", default=".runs/first-token")
     ap.add_argument("--rerun", action="store_true", help="run cases that have a result")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="text prompts (vllm-pd-bench --text-prompts), as push's "
+                    "--concurrent-dispatch needs; every deployment gets the same")
     ap.add_argument("--report", default=None, metavar="DIR", help="only print the tables")
     args = ap.parse_args()
     if args.report is None:
