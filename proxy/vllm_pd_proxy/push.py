@@ -235,8 +235,9 @@ async def _run_concurrent(
     D's API server, its queue and its registration overlap P's prefill,
     and P's WRITE notification carries token #1, which D appends to its
     prompt before its first step. The client's answer is P's token #1 (as
-    soon as P answers), then D's tokens: nothing of D's is relayed before
-    token #1 went out (``before_relay``). When P's answer cannot seed D
+    soon as P answers, whether or not D has answered), then D's tokens:
+    nothing of D's is relayed before token #1 went out (``before_relay``).
+    When P's answer cannot seed D
     (its token ended the answer, or cannot be continued exactly) D's leg is
     cancelled (D aborts it; P's WRITE, if posted, settles first) and the
     answer is P's, or D's own prefill. A D that fails after token #1 is a
@@ -255,11 +256,9 @@ async def _run_concurrent(
     ready: asyncio.Future[tuple[dict[str, Any], first_token.Seed]] = loop.create_future()
 
     async def token_one_first() -> None:
-        answer, seed = await ready
-        if ctx.stream:
-            track = await first_token_flow.start_stream(
-                sink, ctx, first_token.first_events(answer, seed, False, False), wants_ids)
-            track.begin_continuation()
+        # D's first byte may beat P's answer (its KV can be ready first):
+        # nothing of D's goes out before token #1 has.
+        await ready
 
     p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
     d_task = asyncio.ensure_future(up.decode_leg(
@@ -286,6 +285,11 @@ async def _run_concurrent(
                 return await up.decode_leg(sink, ctx, ctx.decode, local, headers, prefix,
                                            exclude=tried_d)
             first_token_flow.record(up, ctx, first_token_flow.SEEDED, "concurrent")
+            if ctx.stream:
+                # Token #1 goes out now, whatever D is doing.
+                track = await first_token_flow.start_stream(
+                    sink, ctx, first_token.first_events(answer, seed, False, False), wants_ids)
+                track.begin_continuation()
             ready.set_result((answer, seed))
         try:
             out = await d_task

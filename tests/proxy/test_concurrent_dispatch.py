@@ -11,6 +11,7 @@ fails) must cancel D's leg and answer as the sequential path would.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from pdproxy_helpers import parse_sse
@@ -123,3 +124,22 @@ async def test_a_completion_without_max_tokens_gets_vllms_default_count(engines,
         ids = [t for e in events[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
         assert ids == reference("/v1/completions", req, 16), (mode, concurrent)
         assert d.override.bodies[0]["max_tokens"] == 15
+
+
+async def test_token_one_goes_out_when_p_answers_even_while_d_is_silent(engines, proxy):
+    """D holds its answer (its KV not ready, or its API server slow): the
+    client still gets P's token #1 the moment P answers, then D's rest."""
+    gate = asyncio.Event()
+    p = await engines("prefill", override=TokenEngine())
+    d = await engines("decode", override=TokenEngine(gate=gate))
+    client = await proxy([p], [d], transfer_mode="push", first_token_from_prefill=True)
+    resp = await client.post("/v1/completions", json=body())
+    assert resp.status == 200
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+    assert not gate.is_set() and len(d.legs()) == 1  # D's leg is out, silent
+    ref = reference("/v1/completions", body(), N)
+    assert json.loads(first[len(b"data: "):])["choices"][0]["text"] == text([ref[0]])
+    gate.set()
+    rest = parse_sse(first + await resp.read())
+    assert stream_text(rest) == text(ref)
+    assert first_token_counts(client) == {("seeded", "concurrent"): 1}
