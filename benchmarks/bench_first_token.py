@@ -39,6 +39,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 DEPLOYMENTS = {
     "aggregated": ["--only", "aggregated"],
     "pull": ["--only", "disaggregated", "--transfer-mode", "pull"],
@@ -108,7 +110,18 @@ def point(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     dep = next(iter(result["deployments"].values()))
-    return dep["points"][0] if dep.get("points") else None
+    if not dep.get("points"):
+        return None
+    pt: dict[str, Any] = dep["points"][0]
+    if pt.get("results"):
+        # The handoff again from the requests, with today's breakdown (a
+        # result written by an older one keeps its requests).
+        from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
+        from vllm_pd_ext.tools.slo.metrics import RequestResult
+
+        rows = msgspec.convert(pt["results"], list[RequestResult])
+        pt["handoff"] = summarize_handoffs(rows)
+    return pt
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
