@@ -172,11 +172,11 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 "wrong_sender",
                 "Lease and push messages refused: not from the engine holding that lease "
                 "or registration."),
+            "num_seed_failures": counter(
+                "seed_failures",
+                "Push legs sent before token #1 (pd_seed_pending) that ended with an error: "
+                "no token #1 came with the KV, or the load failed (D)."),
         }
-        self.counters["num_seed_failures"] = counter(
-            "seed_failures",
-            "Push legs sent before token #1 (pd_seed_pending) that ended with an error: no "
-            "token #1 came with the KV, or the load failed (D).")
         self.counters.update({
             "num_turns_kept": counter(
                 "turns_kept", "Multi-turn: finished turns whose blocks D kept for the next (D)."),

@@ -410,9 +410,9 @@ def test_a_seed_pending_leg_p_cannot_write_errors_even_under_recompute(
     client has from P): D answers with an error, fast, under the recompute
     policy too, and stays up; the proxy continues such a request elsewhere."""
     d = push["d_recompute"]
-    d_body = completion_body(model, token_prompt(300, seed=72), max_tokens=6)
+    d_body = completion_body(model, token_prompt(300, seed=1772), max_tokens=6)
     pd_id = "seed-cannot-write"
-    p_body = completion_body(model, token_prompt(37, seed=73), max_tokens=1)
+    p_body = completion_body(model, token_prompt(37, seed=1773), max_tokens=1)
     status, _ = push["p"].post("/v1/completions",
                                dict(p_body, kv_transfer_params=p_params(pd_id)))
     assert status == 200
