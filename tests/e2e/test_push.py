@@ -395,11 +395,11 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
     assert usage == [{k: wants[jobs[0][0]]["usage"][k] for k in counts}]
     tele = [e["pd_telemetry"] for e in events if isinstance(e, dict) and "pd_telemetry" in e]
     assert len(tele) == 1, events
-    proxy_t, rec = tele[0]["proxy"], tele[0]["transfer"]
+    # (This D does not put its transfer record in its answers: the proxy's part.)
+    proxy_t = tele[0]["proxy"]
     assert proxy_t["mode"] == "push" and proxy_t["first_token"] == "seeded:concurrent"
     # D's leg left before P answered; token #1 reached the client first.
     assert proxy_t["decode_sent_ms"] < proxy_t["prefill_done_ms"] <= proxy_t["first_token_ms"]
-    assert rec["outcome"] == "ok" and rec["mode"] == "push"
     assert "cannot continue after P's token #1" not in d.log_text()
 
 

@@ -18,6 +18,8 @@ from pdproxy_helpers import parse_sse
 from test_first_token_flow import PROMPT, first_token_counts, reference, text
 from token_engine import Faults, TokenEngine, stream_text, tokenize
 
+from vllm_pd_ext.wire.auth import Keyring, verify_leg
+
 N = 6
 
 
@@ -143,3 +145,15 @@ async def test_token_one_goes_out_when_p_answers_even_while_d_is_silent(engines,
     rest = parse_sse(first + await resp.read())
     assert stream_text(rest) == text(ref)
     assert first_token_counts(client) == {("seeded", "concurrent"): 1}
+
+
+async def test_the_concurrent_d_leg_is_signed_over_its_own_body(engines, proxy):
+    keyring = Keyring.parse("s" * 32, "test")
+    _p, (d,), client = await pair(engines, proxy, TokenEngine(), auth=keyring)
+    resp = await client.post("/v1/completions", json=body(), headers={"X-Request-Id": "r7"})
+    assert stream_text(parse_sse(await resp.read())) == text(reference("/v1/completions",
+                                                                      body(), N))
+    (d_leg,) = d.override.bodies
+    assert d_leg["kv_transfer_params"]["pd_seed_pending"] is True
+    # What D's API server checks: the signature binds D's own leg.
+    verify_leg(keyring, d_leg["kv_transfer_params"], request_id="r7", body=d_leg)
