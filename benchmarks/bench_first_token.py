@@ -8,7 +8,10 @@ other on cores 0 and 1:
 
 * ``aggregated``: two plain vLLM engines, no proxy hop;
 * ``pull`` / ``push``: P and D behind ``vllm-pd-proxy``, token #1 from P
-  (the default, "seeded");
+  (the default, "seeded"; push sends D's leg with P's and token #1 comes
+  with the KV, ``--concurrent-dispatch``);
+* ``push-seq``: push with ``--no-concurrent-dispatch`` (D's leg after P's
+  answer, the path before issue 29's second step);
 * ``pull-off`` / ``push-off``: the same with ``--no-first-token-from-prefill``
   (D computes token #1: the path before issue 29).
 
@@ -36,12 +39,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 DEPLOYMENTS = {
     "aggregated": ["--only", "aggregated"],
     "pull": ["--only", "disaggregated", "--transfer-mode", "pull"],
     "pull-off": ["--only", "disaggregated", "--transfer-mode", "pull",
                  "--proxy-args=--no-first-token-from-prefill"],
     "push": ["--only", "disaggregated", "--transfer-mode", "push"],
+    "push-seq": ["--only", "disaggregated", "--transfer-mode", "push",
+                 "--proxy-args=--no-concurrent-dispatch"],
     "push-off": ["--only", "disaggregated", "--transfer-mode", "push",
                  "--proxy-args=--no-first-token-from-prefill"],
 }
@@ -90,6 +97,8 @@ def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
            "--max-model-len", str(positions),
            "--slo", "ttft:100000,tpot:10000,itl:10000", "--no-progress",
            "--out-dir", str(out), *DEPLOYMENTS[name]]
+    if args.text_prompts:
+        cmd.append("--text-prompts")
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return out
@@ -101,7 +110,18 @@ def point(out: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     dep = next(iter(result["deployments"].values()))
-    return dep["points"][0] if dep.get("points") else None
+    if not dep.get("points"):
+        return None
+    pt: dict[str, Any] = dep["points"][0]
+    if pt.get("results"):
+        # The handoff again from the requests, with today's breakdown (a
+        # result written by an older one keeps its requests).
+        from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
+        from vllm_pd_ext.tools.slo.metrics import RequestResult
+
+        rows = msgspec.convert(pt["results"], list[RequestResult])
+        pt["handoff"] = summarize_handoffs(rows)
+    return pt
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -153,6 +173,9 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--out-dir", default=".runs/first-token")
     ap.add_argument("--rerun", action="store_true", help="run cases that have a result")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="text prompts (vllm-pd-bench --text-prompts), as push's "
+                    "--concurrent-dispatch needs; every deployment gets the same")
     ap.add_argument("--report", default=None, metavar="DIR", help="only print the tables")
     args = ap.parse_args()
     if args.report is None:

@@ -88,6 +88,10 @@ class PDConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self.scheduler.update_connector_output(connector_output)
 
+    def take_requests_to_fail(self) -> dict[str, str]:
+        """Requests vLLM must end with an error now (``compat.engine.fail_seed_requests``)."""
+        return self.scheduler.take_requests_to_fail()
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 

@@ -53,11 +53,14 @@ class PDHandshakeMetadata(KVConnectorHandshakeMetadata):
 @dataclass
 class PDWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler, per step: the telemetry of the loads that ended
-    (``telemetry.py``). vLLM aggregates the ranks' objects with ``aggregate``."""
+    (``telemetry.py``) and the token #1 each push that carried one brought
+    (``pd_seed_pending``). vLLM aggregates the ranks' objects with
+    ``aggregate``; ranks report the same seed for a request."""
 
     records: list[TransferRecord] = field(default_factory=list)
+    seeds: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, PDWorkerMetadata):
-            return PDWorkerMetadata(self.records + other.records)
+            return PDWorkerMetadata(self.records + other.records, {**self.seeds, **other.seeds})
         return self

@@ -33,6 +33,7 @@ COUNTERS = (
     "num_registration_expiries",
     "num_unauthenticated",
     "num_wrong_sender",
+    "num_seed_failures",
     # Multi-turn (scheduler/bidir.py): D keeps, P reads back.
     "num_turns_kept",
     "kept_blocks",
@@ -171,6 +172,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 "wrong_sender",
                 "Lease and push messages refused: not from the engine holding that lease "
                 "or registration."),
+            "num_seed_failures": counter(
+                "seed_failures",
+                "Push legs sent before token #1 (pd_seed_pending) that ended with an error: "
+                "no token #1 came with the KV, or the load failed (D)."),
         }
         self.counters.update({
             "num_turns_kept": counter(

@@ -219,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
         "usual path, counted in pd_proxy_first_token_total",
     )
     g.add_argument(
+        "--concurrent-dispatch",
+        action=argparse.BooleanOptionalAction,
+        default=_D.concurrent_dispatch,
+        help="push mode with --first-token-from-prefill: send the decode leg with the "
+        "prefill leg, before the first token exists; the prefill engine sends that token "
+        "with the KV, so the decode engine's request handling overlaps the prefill "
+        "(completions; chat takes the sequential path)",
+    )
+    g.add_argument(
         "--request-deadline",
         type=float,
         metavar="S",
@@ -370,6 +379,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_migrations=args.max_migrations,
         request_deadline=args.request_deadline,
         first_token_from_prefill=args.first_token_from_prefill,
+        concurrent_dispatch=args.concurrent_dispatch,
         max_inflight_per_prefill=args.max_inflight_per_prefill,
         queue_timeout=args.queue_timeout,
         max_queued=args.max_queued,

@@ -82,6 +82,10 @@ class ProxyConfig:
     # Token #1 from P (vllm_pd_proxy.first_token): the client gets P's first
     # token when P answers, and D continues from token #2.
     first_token_from_prefill: bool = True
+    # Push with token #1 from P: D's leg goes beside P's and token #1 comes
+    # with the KV (P's WRITE notification), so D's API server and queue
+    # overlap P's prefill (vllm_pd_proxy.push, issue 29 item 2).
+    concurrent_dispatch: bool = True
     # Back-pressure (vllm_pd_proxy.admission): P legs in flight per prefill
     # engine (0: no cap), requests waiting for a slot, and how long one waits.
     max_inflight_per_prefill: int = 16

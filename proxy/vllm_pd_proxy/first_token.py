@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from .migration import continuation_body
+from .migration import COMPLETIONS_DEFAULT_MAX_TOKENS, continuation_body
 from .stream_track import next_text_offset
 
 _encode = msgspec.json.encode
@@ -178,6 +178,32 @@ def decode_body(body: dict[str, Any], seed: Seed, chat: bool, stream: bool
     out["stream"] = stream
     if not stream:
         out.pop("stream_options", None)
+    return out
+
+
+def pending_body(body: dict[str, Any], stream: bool) -> dict[str, Any] | None:
+    """D's leg sent beside P's (push, ``pd_seed_pending``), before token #1
+    exists: the client's completions request, less the token P samples
+    (``max_tokens``/``min_tokens`` one fewer), asking for token ids (the
+    stream's tracker splices it after token #1). D appends P's token #1 to
+    its prompt when the KV lands. None when P's token is the whole answer
+    (a limit of 1): then no D leg goes at all."""
+    out = {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens",
+                                                       "kv_transfer_params")}
+    # vLLM's completions default when none is named: D's leg would get its
+    # own default again, one token too many after P's.
+    limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if type(limit) is int:
+        if limit <= 1:
+            return None
+        out["max_tokens"] = limit - 1
+    least = body.get("min_tokens")
+    if type(least) is int and least > 1:
+        out["min_tokens"] = least - 1
+    out["stream"] = stream
+    if not stream:
+        out.pop("stream_options", None)
+    out["return_token_ids"] = True
     return out
 
 

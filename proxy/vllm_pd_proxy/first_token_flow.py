@@ -115,7 +115,7 @@ async def serve(
     wants_ids = bool(body.get("return_token_ids"))
     if first_token.is_final(seed, first_token.limit_of(body, chat)):
         record(up, ctx, PREFILL)
-        return await _answer_from_p(sink, ctx, body, answer, seed, wants_ids)
+        return await answer_from_p(sink, ctx, body, answer, seed, wants_ids)
     why = first_token.seed_refusal(answer, seed, chat)
     if why is None and d_params is not None and not d_params.get("remote_prompt_digest") \
             and not d_params.get("pd_request_id"):
@@ -150,8 +150,8 @@ def _tracker(ctx: RequestContext, wants_ids: bool) -> StreamTracker:
     return ctx.track
 
 
-async def _start(sink: StreamSink, ctx: RequestContext, events: bytes,
-                 wants_ids: bool) -> StreamTracker:
+async def start_stream(sink: StreamSink, ctx: RequestContext, events: bytes,
+                       wants_ids: bool) -> StreamTracker:
     """Start the client's stream with ``events`` (token #1's)."""
     assert isinstance(sink, ClientSink)  # decide() refused every other sink
     track = _tracker(ctx, wants_ids)
@@ -166,7 +166,7 @@ async def _start(sink: StreamSink, ctx: RequestContext, events: bytes,
     return track
 
 
-async def _answer_from_p(sink: StreamSink, ctx: RequestContext, body: dict[str, Any],
+async def answer_from_p(sink: StreamSink, ctx: RequestContext, body: dict[str, Any],
                          answer: dict[str, Any], seed: first_token.Seed, wants_ids: bool
                          ) -> web.StreamResponse:
     """P's answer is the whole answer."""
@@ -177,7 +177,8 @@ async def _answer_from_p(sink: StreamSink, ctx: RequestContext, body: dict[str, 
                                  dumps=lambda o: _encode(o).decode())
     options = body.get("stream_options")
     usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    await _start(sink, ctx, first_token.final_events(answer, seed, ctx.chat, usage), wants_ids)
+    await start_stream(sink, ctx, first_token.final_events(answer, seed, ctx.chat, usage),
+                       wants_ids)
     await sink.end(None)
     assert sink.response is not None
     return sink.response
@@ -204,7 +205,7 @@ async def _seeded_stream(up: Upstream, sink: StreamSink, ctx: RequestContext,
                          seed: first_token.Seed, leg: bytes, decode: Backend | None,
                          prefix: tuple[int, ...] | None, exclude: list[Backend],
                          wants_ids: bool) -> web.StreamResponse:
-    track = await _start(sink, ctx, first_token.first_events(answer, seed, ctx.chat, False),
+    track = await start_stream(sink, ctx, first_token.first_events(answer, seed, ctx.chat, False),
                          wants_ids)
     track.begin_continuation()
     try:
@@ -216,15 +217,22 @@ async def _seeded_stream(up: Upstream, sink: StreamSink, ctx: RequestContext,
             ctx.outcome, ctx.error = errors.Outcome.STREAM_ERROR, exc.message
             raise MidStreamFailure(exc, ctx.progress) from None
     except MidStreamFailure as failure:
-        if ctx.migration is not None:
-            raise  # the failover continues the stream on another D
-        ctx.outcome, ctx.error = errors.Outcome.STREAM_ERROR, failure.error.message
-        try:
-            await sink.end(failure.error)
-        except ConnectionResetError:
-            ctx.status, ctx.outcome = 499, errors.Outcome.CANCELLED
-        assert sink.response is not None
-        return sink.response
+        return await end_mid_stream(sink, ctx, failure)
+
+
+async def end_mid_stream(sink: StreamSink, ctx: RequestContext,
+                         failure: MidStreamFailure) -> web.StreamResponse:
+    """D failed after token #1 reached the client: the failover continues
+    the stream on another D (re-raised), or the stream ends with the error."""
+    if ctx.migration is not None:
+        raise failure  # the failover continues the stream on another D
+    ctx.outcome, ctx.error = errors.Outcome.STREAM_ERROR, failure.error.message
+    try:
+        await sink.end(failure.error)
+    except ConnectionResetError:
+        ctx.status, ctx.outcome = 499, errors.Outcome.CANCELLED
+    assert sink.response is not None
+    return sink.response
 
 
 async def _merged(up: Upstream, sink: StreamSink, ctx: RequestContext,
@@ -233,6 +241,13 @@ async def _merged(up: Upstream, sink: StreamSink, ctx: RequestContext,
                   exclude: list[Backend], wants_ids: bool) -> web.StreamResponse:
     """Not streamed: D's answer to the continuation, merged after token #1."""
     out = await _d_leg(up, sink, ctx, headers, leg, decode, prefix, exclude, False)
+    return merged_response(ctx, answer, seed, out, wants_ids)
+
+
+def merged_response(ctx: RequestContext, answer: dict[str, Any], seed: first_token.Seed,
+                    out: web.StreamResponse, wants_ids: bool) -> web.StreamResponse:
+    """The client's non-streamed answer: P's token #1, then D's ``out``
+    (a completions answer); D's error answers go through as they are."""
     if out.status >= 400 or not isinstance(out, web.Response) or out.body is None:
         return out
     try:

@@ -119,6 +119,11 @@ def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+#: vLLM's ``max_tokens`` for a completions request that names none
+#: (``CompletionRequest.max_tokens``; chat has no such default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 def continuation_body(body: dict[str, Any], prompt_ids: list[int], sent_ids: list[int],
                       chat: bool) -> dict[str, Any] | None:
     """The completions request that continues ``body`` after ``sent_ids``.
@@ -147,6 +152,11 @@ def continuation_body(body: dict[str, Any], prompt_ids: list[int], sent_ids: lis
     limit = _positive_int(body.get("max_completion_tokens") if chat else None)
     if limit is None:
         limit = _positive_int(body.get("max_tokens"))
+    if limit is None and not chat and "max_tokens" not in body:
+        # vLLM's completions default, which the client got on the first D:
+        # the continuation (whose own default it would be again) is bounded
+        # by what is left of it.
+        limit = COMPLETIONS_DEFAULT_MAX_TOKENS
     if limit is not None:
         if limit - done <= 0:
             return None

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from . import errors, first_token_flow
+from . import errors, first_token, first_token_flow
 from .admission import PrefillSlot
 from .affinity import Affinity
 from .backends import Backend, PrefillIdentity
@@ -40,7 +40,7 @@ from .conversations import Turn
 from .errors import Outcome
 from .health import ProbeError
 from .legs import decode_body, prefill_body, push_decode_params, push_prefill_params
-from .relay import StreamSink
+from .relay import MidStreamFailure, StreamSink
 from .upstream import Upstream
 
 # The logger of the request path (docs/proxy.md names it; log lines unchanged).
@@ -82,6 +82,9 @@ async def run_push(
         # request has nothing on D yet, so D holds blocks only for admitted ones.
         slot, identity = await _pick_prefill(up, ctx, tried_p)
         try:
+            if seeding and _concurrent(up, ctx, body):
+                return await _run_concurrent(up, sink, ctx, body, headers, decode, prefix,
+                                             slot, identity, tried_d)
             if seeding:
                 return await _run_seeded(up, sink, ctx, body, headers, decode, prefix, slot,
                                          identity, tried_d)
@@ -196,6 +199,123 @@ async def _run_seeded(
         raise first_token_flow.no_token_ids(ctx)
     d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body), ctx.decode_extra))
     return await up.decode_leg(sink, ctx, decode, d_body, headers, prefix, exclude=tried_d)
+
+
+def _concurrent(up: Upstream, ctx: RequestContext, body: dict[str, Any]) -> bool:
+    """Whether a seeded request's D leg goes beside P's (``--concurrent-dispatch``):
+    completions only (a chat leg's chunks are not a continuation's), and
+    not when P's token is the whole answer (no D leg at all).
+
+    And only a text prompt: D's API server detokenizes token #2 after the
+    prompt, never having seen token #1. Text ends on a whole character, so
+    token #2's text is the same after either (token #1's own text is whole,
+    or the request falls back); a prompt of token ids may end inside a
+    character, which token #1 completes, and then D's text for token #2
+    would differ (seen in the e2e tier with random token prompts)."""
+    return (up.config.concurrent_dispatch and not ctx.chat and not ctx.responses
+            and isinstance(body.get("prompt"), str)
+            and first_token.pending_body(body, ctx.stream) is not None)
+
+
+async def _run_concurrent(
+    up: Upstream,
+    sink: StreamSink,
+    ctx: RequestContext,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    decode: Backend | None,
+    prefix: tuple[int, ...] | None,
+    slot: PrefillSlot,
+    identity: PrefillIdentity,
+    tried_d: list[Backend],
+) -> web.StreamResponse:
+    """Token #1 from P with both legs at once (issue 29, item 2).
+
+    D's leg leaves with P's, before token #1 exists (``pd_seed_pending``):
+    D's API server, its queue and its registration overlap P's prefill,
+    and P's WRITE notification carries token #1, which D appends to its
+    prompt before its first step. The client's answer is P's token #1 (as
+    soon as P answers, whether or not D has answered), then D's tokens:
+    nothing of D's is relayed before token #1 went out (``before_relay``).
+    When P's answer cannot seed D
+    (its token ended the answer, or cannot be continued exactly) D's leg is
+    cancelled (D aborts it; P's WRITE, if posted, settles first) and the
+    answer is P's, or D's own prefill. A D that fails after token #1 is a
+    mid-stream failure (a continuation elsewhere, or the error event)."""
+    loop = asyncio.get_running_loop()
+    pd_id = f"{ctx.request_id}-{uuid.uuid4().hex[:8]}"
+    p_leg = up.sign(push_prefill_params(pd_id, True), ctx, body)
+    p_body = _encode(prefill_body(body, p_leg, ctx.responses, seeding=True))
+    pending = first_token.pending_body(body, ctx.stream)
+    assert pending is not None  # _concurrent()
+    d_leg = push_decode_params(identity, pd_id)
+    d_leg["pd_bidirectional"] = False
+    d_leg["pd_seed_pending"] = True
+    d_body = _encode(decode_body(pending, up.sign(d_leg, ctx, pending), ctx.decode_extra))
+    wants_ids = bool(body.get("return_token_ids"))
+    ready: asyncio.Future[tuple[dict[str, Any], first_token.Seed]] = loop.create_future()
+
+    async def token_one_first() -> None:
+        # D's first byte may beat P's answer (its KV can be ready first):
+        # nothing of D's goes out before token #1 has.
+        await ready
+
+    p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
+    d_task = asyncio.ensure_future(up.decode_leg(
+        sink, ctx, decode, d_body, headers, prefix, p_task, exclude=tried_d,
+        continuing=ctx.stream, before_relay=token_one_first))
+    try:
+        await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+        if p_task.done():
+            answer = p_task.result()  # P's failure: D's leg is cancelled below
+            seed = first_token.seed_of(answer, False)
+            if seed is not None and first_token.is_final(seed, first_token.limit_of(body, False)):
+                await _cancel(d_task)
+                first_token_flow.record(up, ctx, first_token_flow.PREFILL)
+                return await first_token_flow.answer_from_p(sink, ctx, body, answer, seed,
+                                                            wants_ids)
+            why = ("no_token_ids" if seed is None
+                   else first_token.seed_refusal(answer, seed, False))
+            if why is not None or seed is None:
+                # Not to be continued exactly: D prefills the prompt itself
+                # (its prefix cache holds what P's WRITE brought, if it landed).
+                await _cancel(d_task)
+                first_token_flow.record(up, ctx, first_token_flow.FALLBACK, why or "")
+                local = _encode(decode_body(body, None, ctx.decode_extra))
+                return await up.decode_leg(sink, ctx, ctx.decode, local, headers, prefix,
+                                           exclude=tried_d)
+            first_token_flow.record(up, ctx, first_token_flow.SEEDED, "concurrent")
+            if ctx.stream:
+                # Token #1 goes out now, whatever D is doing.
+                track = await first_token_flow.start_stream(
+                    sink, ctx, first_token.first_events(answer, seed, False, False), wants_ids)
+                track.begin_continuation()
+            ready.set_result((answer, seed))
+        try:
+            out = await d_task
+        except errors.ProxyError as exc:
+            if not ctx.stream_started:
+                raise  # nothing reached the client: the handoff may go again
+            # Token #1 is the client's already: this is a failure mid-stream.
+            ctx.outcome, ctx.error = Outcome.STREAM_ERROR, exc.message
+            raise MidStreamFailure(exc, ctx.progress) from None
+        if ctx.stream:
+            return out
+        answer, seed = ready.result()
+        return first_token_flow.merged_response(ctx, answer, seed, out, wants_ids)
+    except MidStreamFailure as failure:
+        return await first_token_flow.end_mid_stream(sink, ctx, failure)
+    finally:
+        await _cancel(d_task)
+        await _cancel(p_task)
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` if it still runs (a leg: its connection closes, and the
+    engine aborts the request) and wait for it to end."""
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _prefill_leg(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -191,6 +192,7 @@ class Upstream:
         exclude: list[Backend] | None = None,
         endpoint: str | None = None,
         continuing: bool = False,
+        before_relay: Callable[[], Awaitable[None]] | None = None,
     ) -> web.StreamResponse:
         """Run the D leg and relay it; ``guard`` is a concurrent push P leg.
 
@@ -201,7 +203,9 @@ class Upstream:
         ``exclude``); ``prefix``: the prompt's chunk keys, remembered as
         cached on D once D answers; ``endpoint``: where the leg goes (default
         the client's); ``continuing``: a migration's continuation of a stream
-        already started (:mod:`vllm_pd_proxy.migration`).
+        already started (:mod:`vllm_pd_proxy.migration`); ``before_relay``:
+        awaited once D's first byte is in, before anything of D's reaches
+        the client (a concurrent push leg's token #1 goes out first).
 
         Raises :class:`~vllm_pd_proxy.relay.MidStreamFailure` when a tracked
         stream (``ctx.track``) fails after it started.
@@ -239,6 +243,8 @@ class Upstream:
                 # D prefills (or receives) this prompt now: from here on its
                 # prefix cache holds the prompt's whole blocks.
                 decode.prefixes.add(prefix)
+            if before_relay is not None:
+                await before_relay()
             if not opened.sse:
                 ctx.ttft = loop.time() - ctx.started
                 if ctx.migration is not None:

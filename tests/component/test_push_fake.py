@@ -245,6 +245,38 @@ def test_only_a_notification_with_the_registrations_token_counts(rig):
     assert rig.d_block(0, 9) == rig.p_block(0, 7)
 
 
+def test_the_write_carries_token_one_and_only_the_registered_ps_counts(rig):
+    """Issue 29 (``pd_seed_pending``): P's order names its token #1, the
+    WRITE's notification carries it, and D's receiver lands it with the
+    KV. A forged notification (wrong token) cannot plant another seed."""
+    rig.receiver.expect(spec(token="c0ffee"), time.monotonic())
+    rig.d_t.notifs.append(proto.push_notif("pd1", "bad", seed=666))
+    rig.order(notif_token="c0ffee", seed=4242)
+    landed: list = []
+    assert wait_for(lambda: landed.extend(rig.receiver.collect(time.monotonic())) or landed)
+    [got] = landed
+    assert got.seed == 4242 and rig.receiver.num_foreign == 1
+    assert rig.d_block(0, 9) == rig.p_block(0, 7)
+    # Without one (an order for a D that did not ask), the landing says so.
+    rig.receiver.expect(spec(pd_id="pd2", token="beef"), time.monotonic())
+    rig.order("pd2", notif_token="beef")
+    landed.clear()
+    assert wait_for(lambda: landed.extend(rig.receiver.collect(time.monotonic())) or landed)
+    assert landed[0].seed == -1
+
+
+def test_notif_seed_reads_only_a_well_formed_seed():
+    assert proto.push_notif("pd", "ab", seed=7) == b"pdx:ab+7/pd"
+    assert proto.push_notif("pd", "ab", 1, 2, seed=7) == b"pdx:ab.1.2+7/pd"
+    assert proto.push_notif("pd", "ab") == b"pdx:ab/pd"
+    assert proto.notif_seed("ab+7") == ("ab", 7)
+    assert proto.notif_seed("ab.1.2+0") == ("ab.1.2", 0)
+    assert proto.notif_seed("ab") == ("ab", -1)
+    # Malformed: the tag keeps it, and then matches no registration's token.
+    for bad in ("ab+", "ab+-1", "ab+1e3", "ab+99999999999", f"ab+{2**31}", "ab+ 1"):
+        assert proto.notif_seed(bad) == (bad, -1), bad
+
+
 def test_failed_post_reports_and_releases(rig):
     rig.receiver.expect(spec(), time.monotonic())
     rig.p_t.fail_post = True

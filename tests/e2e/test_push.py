@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import re
 import time
 import urllib.request
@@ -36,6 +37,7 @@ from tests.e2e.helpers import (
     log_dir,
     open_stream,
     poke,
+    run_clients,
     stream_text,
     token_prompt,
 )
@@ -338,6 +340,92 @@ def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -
     assert took < D_DEADLINE_S / 2
     assert "P could not write the KV: P prefilled 37 tokens but D's prompt has 300" in (
         d.log_text())
+
+
+def text_prompt(n_words: int, seed: int) -> str:
+    """A text prompt (concurrent dispatch takes text prompts only)."""
+    rng = random.Random(seed)
+    words = ["block", "cache", "token", "prefill", "decode", "lease", "write", "stream",
+             "engine", "proxy", "layer", "head", "tiny", "model", "vector", "page"]
+    return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n_words))
+
+
+def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """Issue 29 item 2, real engines: the proxy's default push flow sends
+    D's leg beside P's; P's token #1 comes with the KV, D appends it and
+    continues. Under a small concurrent load of text prompts (streamed and
+    not), every answer's tokens, text, finish reason and usage equal the
+    collocated engine's, D loaded every prompt as KV, and the telemetry
+    names the path."""
+    p, d = push["p"], push["d"]
+    px = Proxy([p.url], [d.url], log_dir("push-concurrent"),
+               args=["--transfer-mode", "push", "--transfer-telemetry"]).start()
+    try:
+        px.wait_ready()
+        jobs = []
+        for i in range(12):
+            body = completion_body(model, text_prompt(60 + 37 * i, seed=142 + i),
+                                   max_tokens=6 + i % 5, ignore_eos=True, stream=i % 2 == 0)
+            if body["stream"]:
+                body["stream_options"] = {"include_usage": True}
+            jobs.append((f"concurrent-{i}", body))
+        wants = {rid: ref.post("/v1/completions", {
+            **{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})[1]
+            for rid, body in jobs}
+        before = d.metrics()
+        results = run_clients(px.url, jobs, 4)
+        after = d.metrics()
+        _, events = stream_text(px.url + "/v1/completions", jobs[0][1])
+    finally:
+        px.stop()
+    prompt_tokens = 0
+    for rid, _ in jobs:
+        got = results[rid]
+        assert not isinstance(got, BaseException), (rid, got)
+        want = wants[rid]
+        # The oracle compares the text too (token #2 on is D's detokenizing).
+        assert_same_as_reference(ref, got, want)
+        prompt_tokens += want["usage"]["prompt_tokens"]
+    assert delta(before, after, EXTERNAL) == prompt_tokens  # every prompt came as KV
+    assert events[-1] == "[DONE]"
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    usage = [{k: e["usage"][k] for k in counts}
+             for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage == [{k: wants[jobs[0][0]]["usage"][k] for k in counts}]
+    tele = [e["pd_telemetry"] for e in events if isinstance(e, dict) and "pd_telemetry" in e]
+    assert len(tele) == 1, events
+    # (This D does not put its transfer record in its answers: the proxy's part.)
+    proxy_t = tele[0]["proxy"]
+    assert proxy_t["mode"] == "push" and proxy_t["first_token"] == "seeded:concurrent"
+    # D's leg left before P answered; token #1 reached the client first.
+    assert proxy_t["decode_sent_ms"] < proxy_t["prefill_done_ms"] <= proxy_t["first_token_ms"]
+    assert "cannot continue after P's token #1" not in d.log_text()
+
+
+def test_a_seed_pending_leg_p_cannot_write_errors_even_under_recompute(
+        push: dict[str, Any], model: str) -> None:
+    """A D leg sent before token #1 (``pd_seed_pending``) whose KV never
+    comes must not recompute (it would sample token #1 again, which the
+    client has from P): D answers with an error, fast, under the recompute
+    policy too, and stays up; the proxy continues such a request elsewhere."""
+    d = push["d_recompute"]
+    d_body = completion_body(model, token_prompt(300, seed=1772), max_tokens=6)
+    pd_id = "seed-cannot-write"
+    p_body = completion_body(model, token_prompt(37, seed=1773), max_tokens=1)
+    status, _ = push["p"].post("/v1/completions",
+                               dict(p_body, kv_transfer_params=p_params(pd_id)))
+    assert status == 200
+    d0 = d.metrics()
+    started = time.monotonic()
+    status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=dict(
+        d_params(push["p"], pd_id, engine_id(push["p"])), pd_seed_pending=True)))
+    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert status >= 500 or (status == 200 and got["choices"][0]["finish_reason"] == "error"), got
+    assert delta(d0, d.metrics(), EXTERNAL) == 0
+    assert "cannot continue after P's token #1: its KV load failed" in d.log_text()
+    assert "vLLM patch fail_seed_requests applied in the EngineCore" in d.log_text()
+    assert d.alive()
 
 
 def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str, Any],

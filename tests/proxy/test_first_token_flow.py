@@ -56,10 +56,40 @@ def bodies(engine) -> list[dict[str, Any]]:
     return engine.override.bodies
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+#: The flows: pull, push with D's leg beside P's (``--concurrent-dispatch``,
+#: the default: token #1 comes with the KV), push with D's leg after P's.
+MODES = ["pull", "push", "push-seq"]
+
+
+def flow(mode: str) -> dict[str, Any]:
+    """The proxy config of a flow of ``MODES``."""
+    return {"transfer_mode": mode.removesuffix("-seq"),
+            "concurrent_dispatch": not mode.endswith("-seq")}
+
+
+def assert_d_leg(mode: str, d_leg: dict[str, Any], prompt: Any, prompt_ids: list[int],
+                 token_one: int, limit: int) -> None:
+    """D's leg continues after token #1: sequential, its prompt carries the
+    token (``pd_seeded_tokens``); concurrent (push), D gets the client's
+    prompt and token #1 comes with the KV (``pd_seed_pending``)."""
+    params = d_leg["kv_transfer_params"]
+    assert d_leg["max_tokens"] == limit - 1
+    if mode == "push":
+        assert d_leg["prompt"] == prompt and d_leg["return_token_ids"] is True
+        assert params["pd_seed_pending"] is True and "pd_seeded_tokens" not in params
+    else:
+        assert d_leg["prompt"] == [*prompt_ids, token_one]
+        assert params["pd_seeded_tokens"] == 1 and "pd_seed_pending" not in params
+
+
+def seeded_count(mode: str) -> dict[tuple[str, str], float]:
+    return {("seeded", "concurrent" if mode == "push" else ""): 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_streamed_completion_gets_token_one_from_p_and_the_rest_from_d(
         engines, proxy, mode):
-    p, (d,), client = await pd(engines, proxy, transfer_mode=mode)
+    p, (d,), client = await pd(engines, proxy, **flow(mode))
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": True,
             "stream_options": {"include_usage": True}}
     resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "r1"})
@@ -79,15 +109,15 @@ async def test_streamed_completion_gets_token_one_from_p_and_the_rest_from_d(
     assert p_leg["return_token_ids"] is True and p_leg["max_tokens"] == 1
     assert p_leg["kv_transfer_params"]["pd_first_token"] is True
     (d_leg,) = bodies(d)
-    assert d_leg["prompt"] == [*prompt_ids, ref[0]] and d_leg["max_tokens"] == N - 1
+    assert_d_leg(mode, d_leg, PROMPT, prompt_ids, ref[0], N)
     params = d_leg["kv_transfer_params"]
-    assert params["pd_seeded_tokens"] == 1 and params["pd_bidirectional"] is False
+    assert params["pd_bidirectional"] is False
     if mode == "pull":
         assert params["remote_engine_id"] == p.engine_id  # P's answer, verbatim
     else:
         assert params["pd_request_id"] == p_leg["kv_transfer_params"]["pd_request_id"]
     assert d.legs()[0].path == "/v1/completions"
-    assert first_token_counts(client) == {("seeded", ""): 1}
+    assert first_token_counts(client) == seeded_count(mode)
 
 
 async def test_token_one_reaches_the_client_before_d_answers(engines, proxy):
@@ -126,10 +156,10 @@ async def test_chat_stream_starts_with_the_role_then_token_one(engines, proxy, m
     assert d.legs()[0].path == "/v1/completions"
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("chat", [False, True])
 async def test_non_streamed_answer_merges_token_one_and_d_rest(engines, proxy, mode, chat):
-    _p, (d,), client = await pd(engines, proxy, transfer_mode=mode)
+    _p, (d,), client = await pd(engines, proxy, **flow(mode))
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body: dict[str, Any] = {"model": "m", "max_tokens": N}
     body.update({"messages": CHAT} if chat else {"prompt": PROMPT})
@@ -145,14 +175,17 @@ async def test_non_streamed_answer_merges_token_one_and_d_rest(engines, proxy, m
                                "total_tokens": prompt_len + N}
     assert "kv_transfer_params" not in answer
     (d_leg,) = bodies(d)
-    assert d_leg["stream"] is False and d_leg["kv_transfer_params"]["pd_seeded_tokens"] == 1
-    assert first_token_counts(client) == {("seeded", ""): 1}
+    assert d_leg["stream"] is False
+    # Chat's D leg is a continuation (chat chunks are not one): sequential.
+    leg_mode = "push-seq" if chat and mode == "push" else mode
+    assert_d_leg(leg_mode, d_leg, PROMPT, tokenize(path, body), ref[0], N)
+    assert first_token_counts(client) == seeded_count(leg_mode)
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stream", [False, True])
 async def test_token_one_that_ends_the_answer_is_p_answer_alone(engines, proxy, mode, stream):
-    _p, (d,), client = await pd(engines, proxy, stop_first=True, transfer_mode=mode)
+    _p, (d,), client = await pd(engines, proxy, stop_first=True, **flow(mode))
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N, "stream": stream,
             "stream_options": {"include_usage": True}} if stream else {
             "model": "m", "prompt": PROMPT, "max_tokens": N}
@@ -170,7 +203,12 @@ async def test_token_one_that_ends_the_answer_is_p_answer_alone(engines, proxy, 
         assert answer["choices"][0]["finish_reason"] == "stop"
         assert answer["usage"]["completion_tokens"] == 1
         assert "kv_transfer_params" not in answer
-    assert d.legs() == []  # no D leg at all
+    if mode == "push":
+        # D's leg left with P's; P's answer being the whole one, it was
+        # cancelled (a real D then aborts it: P wrote nothing for it).
+        assert [b["kv_transfer_params"]["pd_seed_pending"] for b in bodies(d)] == [True]
+    else:
+        assert d.legs() == []  # no D leg at all
     assert first_token_counts(client) == {("prefill", ""): 1}
 
 

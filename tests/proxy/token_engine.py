@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,8 @@ class TokenEngine:
 
     def __init__(self, faults: Faults | None = None, delay: float = 0.0,
                  kv_params: dict[str, Any] | None = None, stop_first: bool = False,
-                 gate: asyncio.Event | None = None, pd_ext: bool = True) -> None:
+                 gate: asyncio.Event | None = None, pd_ext: bool = True,
+                 answer_delay: float = 0.0, partial_first: bool = False) -> None:
         self.faults = faults or Faults()
         self.delay = delay
         self.kv_params = kv_params
@@ -107,6 +109,13 @@ class TokenEngine:
         #: A prefill engine: answers as vllm_pd_ext's P (a prompt digest in
         #: its params), not as vLLM's NixlConnector.
         self.pd_ext = pd_ext
+        #: A prefill engine: seconds before it answers.
+        self.answer_delay = answer_delay
+        #: A prefill engine: token #1 ends inside a character (its text is
+        #: U+FFFD until the next token, as a byte-level BPE's can be).
+        self.partial_first = partial_first
+        #: ``time.monotonic()`` of each prefill answer.
+        self.answered_at: list[float] = []
         self.legs = 0
         self.bodies: list[dict[str, Any]] = []
 
@@ -124,7 +133,7 @@ class TokenEngine:
         a leg that asked (``kv_transfer_params``) and did not stop at token
         #1 under ``pd_first_token`` (as vllm_pd_ext's P)."""
         finish = "stop" if self.stop_first else "length"
-        text = text_of(token)
+        text = "\ufffd" if self.partial_first else text_of(token)
         choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text}}
                                   if chat else {"index": 0, "text": text, "logprobs": None})
         choice["finish_reason"] = finish
@@ -157,10 +166,19 @@ class TokenEngine:
         chat = request.path.endswith("/chat/completions")
         prompt = tokenize(request.path, body)
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        tokens = generate(prompt, limit)
+        leg = body.get("kv_transfer_params")
+        if isinstance(leg, dict) and leg.get("pd_seed_pending") and engine.role == "decode":
+            # Sent beside P's leg: P's token #1 comes with the KV and D goes
+            # on after it (its prompt, as its API server saw it, is P's).
+            tokens = generate([*prompt, generate(prompt, 1)[0]], limit)
+        else:
+            tokens = generate(prompt, limit)
         with_ids = bool(body.get("return_token_ids"))
         rid = f"cmpl-{engine.engine_id}-{self.legs}"
         if engine.role == "prefill":
+            if self.answer_delay:
+                await asyncio.sleep(self.answer_delay)
+            self.answered_at.append(time.monotonic())
             return web.json_response(self._prefill_answer(engine, chat, rid, prompt, tokens[0],
                                                           body, with_ids))
         if self.gate is not None:

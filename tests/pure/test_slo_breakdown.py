@@ -171,7 +171,19 @@ def test_summarize_handoffs_counts_the_seeded_and_skips_failures():
     seeded["transfer"]["read_ms"] = 1.0
     plain = telemetry()
     plain["transfer"]["read_ms"] = 3.0
+    concurrent = telemetry()
+    concurrent["proxy"]["first_token"] = "seeded:concurrent"  # push, D beside P
+    concurrent["transfer"]["read_ms"] = 2.0
+    fallback = telemetry()
+    fallback["proxy"]["first_token"] = "fallback:stop_strings"
+    fallback["transfer"]["read_ms"] = 2.0
     out = summarize_handoffs([_streamed(seeded), _streamed(plain), _streamed(seeded, ok=False),
-                              _streamed(seeded, warmup=True)])
-    assert out["count"] == 2 and out["seeded"] == 1
-    assert out["transfer_ms"]["p50"] == pytest.approx(2.0)
+                              _streamed(seeded, warmup=True), _streamed(concurrent),
+                              _streamed(fallback)])
+    assert out["count"] == 4 and out["seeded"] == 2
+    # 1, 3, 2 and the concurrent one's 0 (its wait for the WRITE spans P's
+    # prefill: counted as no transfer, so its ratios are upper bounds).
+    assert out["transfer_ms"]["p50"] == pytest.approx(1.5)
+    one = handoff_of(_streamed(concurrent))
+    assert one is not None and one["transfer_ms"] == 0.0
+    assert one["orchestration_ms"] == pytest.approx(one["handoff_ms"])

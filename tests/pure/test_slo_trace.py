@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from vllm_pd_ext.tools.slo.trace import make_trace
+from vllm_pd_ext.tools.slo.trace import as_text, make_trace
 
 BASE = dict(num_requests=20, warmup=3, prompt_tokens=16, output_tokens=8, seed=7)
 
@@ -94,3 +94,35 @@ def test_prompt_jitter_and_vocab():
 def test_bad_arguments_are_named(override, name):
     with pytest.raises(ValueError, match=name):
         make_trace(**{"rate": 1.0, **BASE, **override})
+
+
+class WordTokenizer:
+    """A stand-in tokenizer: id i is the word ``w{i}`` plus a space, and a
+    text tokenizes back word by word (so a cut is exact)."""
+
+    def decode(self, ids):
+        return "".join(f"w{i} " for i in ids)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(w[1:]) for w in text.split()]}
+
+
+class MergingTokenizer(WordTokenizer):
+    """Re-tokenizes every word as two tokens (a decoded text that comes
+    back longer, as random ids do with a real BPE)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [0, 0] * len(text.split())}
+
+
+def test_as_text_keeps_the_trace_and_cuts_text_to_the_token_count():
+    trace = make_trace(rate=2.0, num_requests=5, warmup=1, prompt_tokens=40,
+                       output_tokens=8, seed=3, prompt_jitter=0.2)
+    exact = as_text(trace, WordTokenizer())
+    for ids, text in zip(trace, exact, strict=True):
+        assert text.prompt == "".join(f"w{i} " for i in ids.prompt)
+        assert (text.at_s, text.index, text.warmup) == (ids.at_s, ids.index, ids.warmup)
+    longer = as_text(trace, MergingTokenizer())
+    for ids, text in zip(trace, longer, strict=True):
+        # The longest cut that fits: half the ids, at two tokens a word.
+        assert len(text.prompt.split()) == len(ids.prompt) // 2

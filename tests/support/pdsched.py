@@ -190,13 +190,17 @@ def make_output(reqs: list[Request] | list[str], *, finished_sending: set[str] |
                 finished_recving: set[str] | None = None,
                 failed_recving: set[str] | None = None,
                 invalid_block_ids: set[int] | None = None,
+                worker_meta: Any = None,
                 token_id: int = 100) -> ModelRunnerOutput:
+    """``worker_meta``: the workers' ``KVConnectorWorkerMetadata`` of the step."""
     req_ids = [r if isinstance(r, str) else r.request_id for r in reqs]
     kv_out = None
-    if finished_sending or finished_recving or failed_recving or invalid_block_ids:
+    if (finished_sending or finished_recving or failed_recving or invalid_block_ids
+            or worker_meta is not None):
         kv_out = KVConnectorOutput(
             finished_sending=finished_sending, finished_recving=finished_recving,
-            failed_recving=failed_recving or set(), invalid_block_ids=invalid_block_ids or set())
+            failed_recving=failed_recving or set(), invalid_block_ids=invalid_block_ids or set(),
+            kv_connector_worker_meta=worker_meta)
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
         sampled_token_ids=[[token_id] for _ in req_ids], logprobs=None,

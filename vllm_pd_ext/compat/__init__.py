@@ -169,6 +169,48 @@ def is_stopped(request: Any) -> bool:
     return bool(request.status == RequestStatus.FINISHED_STOPPED)
 
 
+def vocab_size(vllm_config: Any) -> int:
+    """The model's vocabulary size (0: not known, nothing is checked)."""
+    try:
+        return int(vllm_config.model_config.get_vocab_size())
+    except Exception:  # a test double without a model config
+        return 0
+
+
+def first_output_token(request: Any) -> int:
+    """The first token a finished prefill sampled (token #1); -1: none."""
+    out: Any = getattr(request, "output_token_ids", None) or []
+    first = out[0] if len(out) else -1
+    return first if type(first) is int and first >= 0 else -1
+
+
+def append_prompt_token(request: Any, token: int) -> None:
+    """Make ``token`` the last token of a waiting request's prompt (D, a
+    ``pd_seed_pending`` leg once P's token #1 arrived with the KV).
+
+    Called between the load's report and the scheduler promoting the
+    request (``update_connector_output`` runs first in
+    ``Scheduler._update_from_kv_xfer_finished``): it then computes from
+    ``num_computed_tokens`` (P's prompt, loaded) up to the new end, exactly
+    as a request whose prompt carried the token from the start
+    (``pd_seeded_tokens``): one token, then sampling token #2, no rewind
+    (``_update_waiting_for_remote_kv`` rewinds only a full prompt hit). The
+    prompt grows, not the output: the worker builds a new request's input
+    from ``prompt_token_ids`` (``NewRequestData``), and the engine's
+    output counts stay those of a leg that asked for one token fewer.
+    """
+    prompt = list(request.prompt_token_ids or ())
+    if (not prompt or getattr(request, "prompt_embeds", None) is not None
+            or len(request._all_token_ids) != len(prompt) or request.num_output_tokens):
+        raise RuntimeError(f"request {request.request_id} is no longer a waiting prompt: "
+                           "cannot append token #1 to it")
+    prompt.append(int(token))
+    request.prompt_token_ids = prompt
+    request._all_token_ids.append(int(token))
+    request.num_prompt_tokens = len(prompt)
+    request.update_block_hashes()
+
+
 def is_rejection_notice(request: Any) -> bool:
     """vLLM's pre-aborted stand-in for a D leg its API server refused before
     the engine saw it (``notify_kv_transfer_request_rejected``): the leg's

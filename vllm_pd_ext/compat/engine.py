@@ -12,6 +12,7 @@ Applied only through ``patches.apply``, which probes each target first.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
 import threading
@@ -207,4 +208,55 @@ def skip_idle_yield_when(work_ready: Callable[[], bool]) -> bool:
         return False
     # The module's only time.sleep is that yield (patches.py probes it).
     setattr(core, "time", _LoopTime(real, work_ready))  # noqa: B010 - not exported
+    return True
+
+
+def fail_seed_requests() -> bool:
+    """After each step's ``Scheduler.update_from_output``, end with an error
+    the requests the connector names (``take_requests_to_fail``); False if
+    already done in this process.
+
+    A D leg sent before P's token #1 existed (``pd_seed_pending``) continues
+    after that token, which the client already has: it can never sample
+    token #1 itself. When the token does not come (the load failed, P sent
+    none), vLLM's ``recompute`` policy would do exactly that, and ``fail``
+    is one engine-wide switch; so these requests end as ``fail`` ends them:
+    ``finish_requests(FINISHED_ERROR)`` and an output with the ``error``
+    finish reason, which the proxy turns into a continuation elsewhere.
+
+    It runs after the step's output was processed (the load's report made
+    the request schedulable) and before the next ``schedule()``: the
+    request never runs a step. Its blocks are freed at once, which is
+    safe: the connector names a request only once its load was reported,
+    when no transfer can write into its blocks any more.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.request import RequestStatus
+
+    original = Scheduler.update_from_output
+    if getattr(original, "_pd_fail_seed_requests", False):
+        return False
+
+    # ``wraps``: the probe (inspect.getsource unwraps) still reads vLLM's code.
+    @functools.wraps(original)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any
+                           ) -> Any:
+        outputs = original(self, scheduler_output, model_runner_output)
+        take = getattr(self.connector, "take_requests_to_fail", None)
+        doomed = take() if take is not None else None
+        if not doomed:
+            return outputs
+        for request in self.finish_requests(list(doomed), RequestStatus.FINISHED_ERROR):
+            eco = outputs.get(request.client_index)
+            if eco is None:
+                eco = outputs[request.client_index] = EngineCoreOutputs()
+            eco.outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), events=request.take_events(),
+                trace_headers=request.trace_headers))
+        return outputs
+
+    update_from_output._pd_fail_seed_requests = True  # type: ignore[attr-defined]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     return True

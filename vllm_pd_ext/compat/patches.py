@@ -204,6 +204,15 @@ def _apply_skip_idle_yield(ctx: Context) -> str:
             "load done (the next step computes with it)")
 
 
+def _apply_fail_seed_requests(ctx: Context) -> str:
+    # Every mode: a pull D refuses a pd_seed_pending leg, which must end in
+    # an error too.
+    if not engine_patches.fail_seed_requests():
+        raise Skip("already applied in this process")
+    return ("a push leg sent before token #1 that cannot continue after it ends with an "
+            "error, whatever kv_load_failure_policy (never samples token #1 again)")
+
+
 def _apply_drain_window(ctx: Context) -> str:
     window = engine_patches.ensure_drain_window(ctx.vllm_config, ctx.cfg.drain_timeout)
     return (f"on SIGTERM the EngineCore drains for up to {window} s (granted leases are "
@@ -279,6 +288,21 @@ PATCHES: tuple[Patch, ...] = (
                     "if not model_executed and self.scheduler.has_requests():",
                     "time.sleep(0.001)")),
         _apply_skip_idle_yield),
+    Patch(
+        "fail_seed_requests", "vllm.v1.core.sched.scheduler.Scheduler.update_from_output "
+        "(wrapped: finish_requests(FINISHED_ERROR) for the connector's doomed requests)",
+        _V, (Process.ENGINE_CORE,),
+        "a push D leg sent beside P's (pd_seed_pending, issue 29) must end with an error, "
+        "not recompute, when token #1 does not come with the KV: the client has it already",
+        _all(_needs("vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+                    "engine_core_outputs = {", "return engine_core_outputs",
+                    "self._update_from_kv_xfer_finished(kv_connector_output)"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler.finish_requests",
+                    "RequestStatus.is_finished(finished_status)"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler._update_from_kv_xfer_finished",
+                    "self.connector.update_connector_output(kv_connector_output)"),
+             _needs("vllm.v1.engine.EngineCoreOutput", "finish_reason", "trace_headers")),
+        _apply_fail_seed_requests),
     Patch(
         "drain_window", "VllmConfig.shutdown_timeout (set when 0)",
         _V, (Process.ENGINE_CORE,),

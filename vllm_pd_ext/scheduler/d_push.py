@@ -202,13 +202,16 @@ class PushConsumer:
             self.abandon(rid, pd_id, endpoint, "layout mismatch on D")
             return LayoutProblem(problem)
         token = secrets.token_hex(8)
+        want_seed = params.pd_seed_pending
         self.register(rid, pd_id, endpoint, str(params.remote_engine_id), first_block,
-                      local_blocks[:need], num_prompt_tokens, prompt_digest, token)
-        return PushRecvSpec(rid, pd_id, local_blocks[:need], num_external_tokens, token)
+                      local_blocks[:need], num_prompt_tokens, prompt_digest, token, want_seed)
+        return PushRecvSpec(rid, pd_id, local_blocks[:need], num_external_tokens, token,
+                            want_seed)
 
     def register(self, request_id: str, pd_id: str, endpoint: Endpoint,
                  expect_engine_id: str, first_block: int, block_ids: list[int],
-                 num_tokens: int, prompt_digest: str = "", notif_token: str = "") -> None:
+                 num_tokens: int, prompt_digest: str = "", notif_token: str = "",
+                 want_seed: bool = False) -> None:
         now = self._clock()
         wait = PushWait(request_id, pd_id, endpoint,
                         deadline=now + self.push_timeout_s + self.side_channel_timeout_s,
@@ -222,7 +225,7 @@ class PushConsumer:
             pd_request_id=pd_id, request_id=request_id, notify_host=self.host,
             notify_port=self.port, agents=self.agents, first_block=first_block,
             block_ids=list(block_ids), num_tokens=num_tokens, ttl_s=self.push_timeout_s,
-            prompt_digest=prompt_digest, notif_token=notif_token)
+            prompt_digest=prompt_digest, notif_token=notif_token, want_seed=want_seed)
         self._outbox.send(endpoint[0], endpoint[1], msg,
                           lambda r: self._on_register_reply(request_id, expect_engine_id, r))
         logger.info("PDConnector: request %s registered %d blocks (from block %d) with %s:%d "

@@ -111,6 +111,14 @@ class DRequest(Load):
     #: A follower: the request whose load from the same P lease it waits for
     #: (``n`` > 1 siblings). It never loads, heartbeats or releases itself.
     leader: str = ""
+    #: ``pd_seed_pending``: P's token #1 comes with the KV and is appended to
+    #: the prompt before the first step; without it the request must end in
+    #: an error (the client has token #1 already: D may not sample it again).
+    seed_pending: bool = False
+    #: The token #1 P's notification carried (-1: none yet).
+    seed: int = -1
+    #: vLLM's request (``seed_pending`` only: the seed is appended to it).
+    request: Any = None
 
 
 @dataclass
@@ -163,6 +171,11 @@ class DRequests:
         if leg.refused or params is None:
             self._refuse(rid, leg.problem)
             return
+        pending = params.pd_seed_pending
+        if pending and (params.mode is not TransferMode.PUSH or params.pd_seeded_tokens):
+            self._refuse(rid, "kv_transfer_params.pd_seed_pending needs transfer_mode 'push' "
+                         "and no pd_seeded_tokens (token #1 comes with P's WRITE)", True)
+            return
         if params.pd_seeded_tokens and params.pd_seeded_tokens >= len(
                 request.prompt_token_ids or ()):
             self._refuse(rid, f"kv_transfer_params.pd_seeded_tokens={params.pd_seeded_tokens} "
@@ -192,6 +205,13 @@ class DRequests:
         lease = (str(params.remote_engine_id), key)
         user = self.lease_users.get(lease)
         ended = self._ended.get(lease)
+        if pending and (user is not None or ended is not None) and (
+                not compat.is_rejection_notice(request)):
+            # Only the request that registered gets token #1 from P; a
+            # sibling would have to sample its own, which the client has.
+            self._refuse(rid, f"kv_transfer_params.pd_seed_pending names P lease {key}, "
+                         "which another request on this engine uses (n > 1?)", True)
+            return
         if (user is None and ended is not None and ended[0] == compat.sibling_group(rid)
                 and not compat.is_rejection_notice(request)):
             # A late sibling: vLLM adds the children one by one, and the first
@@ -221,14 +241,16 @@ class DRequests:
             return
         self.lease_users[lease] = rid
         self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic(),
-                                   api_s=compat.since_api_arrival(request))
+                                   api_s=compat.since_api_arrival(request),
+                                   seed_pending=pending,
+                                   request=request if pending else None)
         assert params.remote_host is not None and params.remote_port is not None
         self.heartbeats.track(rid, (params.remote_host, params.remote_port), key)
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
                     rid, key, params.remote_engine_id, params.mode.value)
 
-    def _refuse(self, rid: str, why: str) -> None:
-        self._reqs[rid] = DRequest(None, bad=why)
+    def _refuse(self, rid: str, why: str, seed_pending: bool = False) -> None:
+        self._reqs[rid] = DRequest(None, bad=why, seed_pending=seed_pending)
         logger.error("PDConnector: request %s: %s; its KV load will fail", rid, why)
 
     # ---------------------------------------------------------------- the load
@@ -304,6 +326,34 @@ class DRequests:
         for rid in failed:
             self.heartbeats.untrack(rid)
         return failed
+
+    def on_seeds(self, seeds: dict[str, int]) -> None:
+        """Token #1 of pushes that carried one (the workers' metadata; a
+        rank's may come a step before the load's report, which waits for
+        every rank)."""
+        for rid, seed in seeds.items():
+            d = self._reqs.get(rid)
+            if d is not None and d.seed_pending:
+                d.seed = seed
+
+    def seed_problem(self, rid: str, failed: bool, vocab_size: int) -> str | None:
+        """Before ``reported``: a ``pd_seed_pending`` request's token #1 goes
+        into its prompt now; why it cannot (the request must then end with
+        an error, never sample token #1 itself); None: nothing to do or done."""
+        d = self._reqs.get(rid)
+        if d is None or not d.seed_pending or d.state is not LoadState.LOADING:
+            return None
+        if failed:
+            return f"its KV load failed{': ' + d.bad if d.bad else ''}"
+        if d.seed < 0:
+            return "P's WRITE notification carried no token #1"
+        if vocab_size and d.seed >= vocab_size:
+            return f"P's token #1 ({d.seed}) is outside this model's vocabulary ({vocab_size})"
+        try:
+            compat.append_prompt_token(d.request, d.seed)
+        except RuntimeError as exc:
+            return str(exc)
+        return None
 
     def reported(self, rid: str) -> None:
         """The workers reported ``rid``'s load (done or failed)."""

@@ -124,6 +124,10 @@ class PDScheduler:
         self._legs: dict[str, DecodedLeg] = {}
         #: This step's workers reported a KV load ended (``take_loads_reported``).
         self._loads_reported = False
+        #: ``pd_seed_pending`` requests that cannot continue after P's token
+        #: #1 -> why; vLLM ends them with an error (``take_requests_to_fail``).
+        self._to_fail: dict[str, str] = {}
+        self.vocab_size = compat.vocab_size(vllm_config)
         #: This step's waiting requests vLLM asked about and has not allocated
         #: yet: the blocks each needs (``get_num_new_matched_tokens``).
         self._unallocated: dict[str, int] = {}
@@ -229,12 +233,20 @@ class PDScheduler:
     def update_connector_output(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if meta is not None:
+            self.d.on_seeds(dict(getattr(meta, "seeds", None) or {}))
             self.d.on_records(list(getattr(meta, "records", ())))
         failed = output.failed_recving or ()
         if output.finished_recving:
             self._loads_reported = True
         for rid in output.finished_recving or ():
             if not self.readback.loaded(rid, rid in failed):
+                problem = self.d.seed_problem(rid, rid in failed, self.vocab_size)
+                if problem is not None:
+                    logger.error("PDConnector: request %s cannot continue after P's token #1: "
+                                 "%s; it ends with an error (the proxy continues it "
+                                 "elsewhere)", rid, problem)
+                    self._to_fail[rid] = problem
+                    self._stats.inc("num_seed_failures")
                 self.d.reported(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
@@ -260,6 +272,15 @@ class PDScheduler:
                 len(getattr(scheduler_output, "finished_req_ids", ()) or ())):
             self.idle.wait()
         return meta
+
+    def take_requests_to_fail(self) -> dict[str, str]:
+        """The ``pd_seed_pending`` requests vLLM must end with an error now,
+        whatever its ``kv_load_failure_policy`` (a recompute would sample
+        token #1 again: the client has P's). Taken once, by the
+        ``fail_seed_requests`` patch, right after the step's output was
+        processed and before the next ``schedule()`` could promote them."""
+        out, self._to_fail = self._to_fail, {}
+        return out
 
     def take_loads_reported(self) -> bool:
         """True once after a step whose workers reported a KV load ended

@@ -41,9 +41,11 @@ class PMode(Protocol):
         """The prefill ended without KV to hand over."""
 
     def lend(self, key: str, request_id: str, block_ids: list[int], num_tokens: int,
-             prompt_digest: str) -> float:
+             prompt_digest: str, first_token: int = -1) -> float:
         """Lease the prompt's blocks to D; the lease's monotonic expiry.
-        ``KeyError`` if ``key`` is leased already (nothing pinned then)."""
+        ``KeyError`` if ``key`` is leased already (nothing pinned then).
+        ``first_token``: the token P sampled (push sends it with the KV to a
+        D that asks; pull's D gets it in its prompt)."""
 
     def sweep(self) -> None:
         """Every step, before the lease sweep."""
@@ -86,7 +88,8 @@ def hand_over(p_mode: PMode, identity: KVTransferParams, request: Any, block_ids
     digest = auth.token_digest(request.prompt_token_ids)
     num_tokens = int(request.num_computed_tokens)
     try:
-        expiry = p_mode.lend(key, rid, list(block_ids), num_tokens, digest)
+        expiry = p_mode.lend(key, rid, list(block_ids), num_tokens, digest,
+                             compat.first_output_token(request))
     except KeyError:
         logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
                      "blocks freed, no KV handed over", rid, key)

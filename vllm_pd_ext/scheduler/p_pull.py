@@ -38,7 +38,7 @@ class PullProducer:
         pass  # D learns at its pin: the lease is unknown
 
     def lend(self, key: str, request_id: str, block_ids: list[int], num_tokens: int,
-             prompt_digest: str) -> float:
+             prompt_digest: str, first_token: int = -1) -> float:
         # Every D rank reads its share; the lease ends when all released.
         return self.lender.lend(key, block_ids, num_consumers=self.tp_size)
 

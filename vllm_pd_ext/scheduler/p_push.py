@@ -221,12 +221,12 @@ class PushProducer:
         return str(params.pd_request_id)
 
     def lend(self, key: str, request_id: str, block_ids: list[int], num_tokens: int,
-             prompt_digest: str) -> float:
+             prompt_digest: str, first_token: int = -1) -> float:
         """Lease the prompt's blocks under ``key``, then match D's registration
         (or wait for it); whichever came second orders the WRITEs."""
         assert self.lender is not None, "PushProducer built without the scheduler's lender"
         expiry = self.lender.lend(key, block_ids, num_consumers=self.tp_size)
-        self.prefill_done(key, request_id, block_ids, num_tokens, prompt_digest)
+        self.prefill_done(key, request_id, block_ids, num_tokens, prompt_digest, first_token)
         return expiry
 
     def forget_expired(self, keys: list[str]) -> None:
@@ -234,10 +234,11 @@ class PushProducer:
 
     # ------------------------------------------------------------ scheduler
     def prefill_done(self, pd_id: str, request_id: str, block_ids: list[int],
-                     num_tokens: int, prompt_digest: str = "") -> None:
-        """Blocks are pinned and leased under ``pd_id``; match or wait."""
+                     num_tokens: int, prompt_digest: str = "", first_token: int = -1) -> None:
+        """Blocks are pinned and leased under ``pd_id``; match or wait.
+        ``first_token``: the token P sampled, for a D that asks for it."""
         prefill = Prefill(request_id, list(block_ids), num_tokens, self._clock(),
-                          prompt_digest)
+                          prompt_digest, first_token)
         with self.leases.atomic():
             outcome = self.book.prefill_done(pd_id, prefill, self.tp_size)
             if isinstance(outcome, PushState):
@@ -304,6 +305,9 @@ class PushProducer:
             problem = (f"block layout mismatch: D registered {n} blocks from block "
                        f"{reg.first_block}; P's prompt has {len(prefill.block_ids)} blocks and "
                        f"needs {expected} written")
+        elif reg.want_seed and not 0 <= prefill.first_token <= proto.MAX_SEED:
+            problem = ("D waits for P's token #1 with the KV (pd_seed_pending) but this "
+                       "prefill sampled none")
         elif set(range(self.tp_size)) - set(self._orders):
             problem = "P's workers publish no write-order socket (unsupported vLLM version?)"
         self._notify[match.pd_request_id] = [reg.notify_host, reg.notify_port, ""]
@@ -333,7 +337,8 @@ class PushProducer:
                 notify_host=reg.notify_host, notify_port=reg.notify_port,
                 agent=reg.agents[rank % len(reg.agents)], src_block_ids=src,
                 dst_block_ids=list(reg.block_ids), post_before=match.post_before,
-                notif_token=reg.notif_token, targets=[] if targets is None else targets[rank])
+                notif_token=reg.notif_token, targets=[] if targets is None else targets[rank],
+                seed=prefill.first_token if reg.want_seed else -1)
             try:
                 with self._order_lock:
                     # Never block under the lease lock (a full queue means a

@@ -97,6 +97,8 @@ class Prefill:
     finished_at: float
     #: ``auth.token_digest`` of the prompt P prefilled ("": not known).
     prompt_digest: str = ""
+    #: The token P sampled after the prompt (token #1); -1: none.
+    first_token: int = -1
 
 
 @dataclass

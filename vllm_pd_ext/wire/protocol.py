@@ -24,6 +24,10 @@ different versions refuse each other at the handshake):
   request's ``cache_salt`` and LoRA adapter, which D's answer names with
   ``remote_hash_scope``; a P reads back and releases only a turn of its own
   scope (an engine of version 6 hashes a salted turn like an unsalted one).
+- 8: token #1 with the KV (push, issue 29): a D leg with ``pd_seed_pending``
+  registers with ``want_seed``; P's ``WriteOrder.seed`` is its token #1,
+  which the WRITE's notification carries (``pdx:<tag>+<seed>/<id>``) and D
+  appends to its prompt before its first step.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -192,6 +196,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     #: whose token #1 ended the answer (EOS, a stop token) is the whole answer
     #: and hands nothing over (no lease for a D leg that will never come).
     pd_first_token: bool = False
+    #: D leg (push): D's prompt is P's, and P's token #1 is not in it yet: it
+    #: arrives with the KV (the WRITE's notification) and D appends it before
+    #: its first step, which computes its KV and samples token #2. The proxy
+    #: sends this leg beside P's, before token #1 exists (protocol 8).
+    pd_seed_pending: bool = False
 
     @property
     def is_readback(self) -> bool:
@@ -508,6 +517,9 @@ class PushRegister(msgspec.Struct, frozen=True, tag="push_register", kw_only=Tru
     #: Random per registration: P's WRITE notification echoes it, so D counts
     #: only a notification from the P it registered with.
     notif_token: Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*\Z")] = ""
+    #: The notification must carry P's token #1 (``pd_seed_pending``): a P
+    #: without one refuses the WRITE (protocol 8).
+    want_seed: bool = False
 
 
 class PushAcceptedState(enum.StrEnum):
@@ -622,15 +634,35 @@ class WriteOrder(msgspec.Struct, frozen=True, kw_only=True):
     notif_token: str = ""
     #: Non-empty: P and D shard differently; ``agent`` is then unused.
     targets: list[WriteTarget] = []
+    #: P's token #1, for the notification (``PushRegister.want_seed``); -1: none.
+    seed: int = -1
 
 
-def push_notif(pd_request_id: str, token: str = "", writer: int = 0, writers: int = 1
-               ) -> bytes:
+def push_notif(pd_request_id: str, token: str = "", writer: int = 0, writers: int = 1,
+               seed: int = -1) -> bytes:
     """The NIXL notification that tells D a WRITE has landed:
     ``pdx:<token>/<id>``; ``pdx:<token>.<writer>.<writers>/<id>`` when
-    ``writers`` P ranks write into one D rank (each must land)."""
+    ``writers`` P ranks write into one D rank (each must land); ``+<seed>``
+    after the tag carries P's token #1 (``seed`` >= 0)."""
     tag = token if writers == 1 else f"{token}.{writer}.{writers}"
+    if seed >= 0:
+        tag += f"+{seed}"
     return b"pdx:" + tag.encode() + b"/" + pd_request_id.encode()
+
+
+#: A token id: at most 10 digits, below 2**31 (no vocabulary is larger).
+MAX_SEED: Final = 2**31 - 1
+
+
+def notif_seed(tag: str) -> tuple[str, int]:
+    """A notification tag as (the tag without its seed, the seed; -1: none).
+    A malformed seed is kept in the tag, where it matches no token."""
+    base, sep, digits = tag.rpartition("+")
+    if not sep:
+        return tag, -1
+    if not re.fullmatch(r"[0-9]{1,10}", digits) or int(digits) > MAX_SEED:
+        return tag, -1
+    return base, int(digits)
 
 
 def parse_push_notif(msg: bytes) -> tuple[str, str] | None:

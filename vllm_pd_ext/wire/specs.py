@@ -41,6 +41,9 @@ class PushRecvSpec:
     num_tokens: int
     #: The registration's ``notif_token``: only P's notification carries it.
     notif_token: str = ""
+    #: The notification must carry P's token #1 (``pd_seed_pending``); one
+    #: without it fails the load.
+    want_seed: bool = False
 
 
 @dataclass(frozen=True)

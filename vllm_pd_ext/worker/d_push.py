@@ -5,7 +5,10 @@ one ``PushRecvSpec`` per registered request (``expect``); P's WRITE carries
 the notification ``pdx:<token>/<pd_request_id>``, which NIXL delivers after the
 data, so a request is reported loaded exactly when its bytes have landed.
 A notification can beat its spec (P is fast, the step is not): it is kept
-until the spec arrives, and forgotten after ``EARLY_TTL_S``.
+until the spec arrives, and forgotten after ``EARLY_TTL_S``. A notification
+may carry P's token #1 (``pdx:<token>+<seed>/<id>``, ``pd_seed_pending``):
+it lands with its ``Landed.seed`` (-1 when none came, or P's ranks sent
+different ones).
 
 Failures are decided by the scheduler half (which knows when no WRITE can
 land any more) and handed down as ``push_fail``; ``drop`` then stops the
@@ -34,6 +37,8 @@ MAX_EARLY_TOKENS = 4 + 64
 class Landed:
     spec: PushRecvSpec
     wait_s: float
+    #: P's token #1 from the notification(s); -1: none.
+    seed: int = -1
 
 
 class PushReceiver:
@@ -43,6 +48,8 @@ class PushReceiver:
         self._by_request: dict[str, str] = {}
         #: pd_request_id -> token -> arrival, for notifications ahead of their spec.
         self._early: dict[str, dict[str, float]] = {}
+        #: pd_request_id -> token -> the seed its notification carried.
+        self._seeds: dict[str, dict[str, int]] = {}
         #: Notifications dropped for a wrong token.
         self.num_foreign = 0
 
@@ -61,10 +68,13 @@ class PushReceiver:
             if parsed is None:
                 logger.warning("PDConnector: unexpected NIXL notification %r", msg[:64])
                 continue
-            pd_id, token = parsed
+            pd_id, tag = parsed
+            token, seed = proto.notif_seed(tag)
             tokens = self._early.setdefault(pd_id, {})
             if len(tokens) < MAX_EARLY_TOKENS:
                 tokens[token] = now
+                if seed >= 0:
+                    self._seeds.setdefault(pd_id, {})[token] = seed
         out = []
         for pd_id in [p for p in self._early if p in self._expected]:
             tokens = self._early[pd_id]
@@ -77,23 +87,31 @@ class PushReceiver:
                 logger.warning("PDConnector: notification for push %s without its "
                                "registration's token dropped (not from the P it was "
                                "registered with)", pd_id)
+                seeds = self._seeds.get(pd_id, {})
                 for tag, (tok, _, _) in zip(list(tokens), tags, strict=True):
                     if tok != spec.notif_token:
                         del tokens[tag]
+                        seeds.pop(tag, None)
             # P sharded unlike D: every P rank writing into this rank notifies
             # (``writer`` of ``writers``); the KV is in once all of them are.
             writers = {n for _, n in ours}
             if not ours or len(writers) != 1 or len({w for w, _ in ours}) < writers.pop():
                 if not tokens:
                     del self._early[pd_id]
+                    self._seeds.pop(pd_id, None)
                 continue
             del self._early[pd_id]
             del self._expected[pd_id]
             self._by_request.pop(spec.request_id, None)
-            out.append(Landed(spec, now - since))
+            # Every rank of P sends the same token #1; any disagreement (or
+            # a rank without one) leaves none, and the load fails.
+            seeds = self._seeds.pop(pd_id, {})
+            got = {seeds.get(tag, -1) for tag in tokens}
+            out.append(Landed(spec, now - since, got.pop() if len(got) == 1 else -1))
         for pd_id, tokens in list(self._early.items()):
             if now - max(tokens.values()) > EARLY_TTL_S:
                 del self._early[pd_id]
+                self._seeds.pop(pd_id, None)
                 logger.warning("PDConnector: notification for unknown push %s dropped", pd_id)
         return out
 

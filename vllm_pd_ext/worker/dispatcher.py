@@ -83,6 +83,9 @@ class PDWorker:
         #: Telemetry of loads that ended outside the pull reader (push, and
         #: failures the scheduler decided); sent with the step's results.
         self._records: list[TransferRecord] = []
+        #: Request id -> P's token #1 from its WRITE's notification, for D's
+        #: scheduler (``pd_seed_pending``), sent with this step's records.
+        self._seeds: dict[str, int] = {}
         #: This step computes nothing (``PDConnectorMetadata.idle``).
         self._idle_step = False
 
@@ -275,6 +278,16 @@ class PDWorker:
             block_bytes = sum(r.block_len for r in self.regions)
             for landed in self.receiver.collect(time.monotonic()):
                 spec = landed.spec
+                if spec.want_seed and landed.seed < 0:
+                    # D waits for token #1 to continue after it (the client
+                    # has it from P): without it D cannot go on.
+                    self._fail_now(spec.request_id, spec.local_block_ids,
+                                   FailureReason.TRANSFER,
+                                   "P's WRITE notification carried no token #1 (is P an "
+                                   "older vllm_pd_ext?)")
+                    continue
+                if spec.want_seed:
+                    self._seeds[spec.request_id] = landed.seed
                 self._report.add_done(spec.request_id)
                 nbytes = block_bytes * len(spec.local_block_ids)
                 with self._stats_lock:
@@ -303,9 +316,10 @@ class PDWorker:
     def build_worker_meta(self) -> PDWorkerMetadata | None:
         """The telemetry of the loads this rank ended since the last step."""
         records, self._records = self._records, []
+        seeds, self._seeds = self._seeds, {}
         if self.reader is not None:
             records += self.reader.take_records()
-        return PDWorkerMetadata(records) if records else None
+        return PDWorkerMetadata(records, seeds) if records or seeds else None
 
     @property
     def num_in_flight(self) -> int:

@@ -173,7 +173,8 @@ class Pusher:
                 plan.append((peer, self._descriptors(order, peer, target),
                              proto.push_notif(order.pd_request_id, order.notif_token,
                                               self.tp_rank if target else 0,
-                                              target.writers if target else 1)))
+                                              target.writers if target else 1,
+                                              order.seed)))
         except AgentMismatch as exc:
             self._finish_failed(order, str(exc))
             return

@@ -105,7 +105,9 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     - ``decode_step_ms``: the request's median gap after that (one decode step);
     - ``transfer_ms``: the bytes' own time: pull's READ (``read_ms``); push's
       wait for P's WRITE (``write_wait_ms``: P's post, the WRITE and its
-      notification, so push's orchestration below is a lower bound);
+      notification, so push's orchestration below is a lower bound); 0 for
+      push's concurrent dispatch (``seeded:concurrent``: the wait spans P's
+      prefill), so its ratio and orchestration are upper bounds;
     - ``gap_ratio``: ``first_gap / (transfer + decode_step)`` (1: nothing
       beyond the bytes and the step that needs them);
     - ``handoff_ms``: P's answer to D's KV ready (proxy and D clocks);
@@ -139,6 +141,13 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     moved = _number(transfer, "read_ms")
     if moved is None:
         moved = _number(transfer, "write_wait_ms")
+    concurrent = proxy.get("first_token") == "seeded:concurrent"
+    if concurrent and moved is not None:
+        # D's leg went out with P's: its wait for the WRITE spans P's
+        # prefill, not the bytes. Counted as 0, so the gap ratio and the
+        # orchestration are upper bounds (the WRITE itself is P's
+        # ``kv_write_seconds``, about a millisecond at 300 tokens).
+        moved = 0.0
     if done is None or sent is None or ready is None or moved is None:
         return None
     rest = sorted(result.itl_s[1:])
@@ -154,8 +163,9 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     out = {"first_gap_ms": gap, "decode_step_ms": step, "transfer_ms": moved,
            "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
-           "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin,
-           "step_wait_ms": max(0.0, ready - waited)}
+           "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin}
+    if not concurrent:  # (concurrent: ``kv_ready`` spans P's prefill)
+        out["step_wait_ms"] = max(0.0, ready - waited)
     sched, worker = _number(transfer, "sched_ms"), _number(transfer, "worker_ms")
     if sched is not None and worker is not None:
         out.update(sched_ms=sched, worker_extra_ms=max(0.0, worker - waited),
@@ -166,7 +176,7 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
 def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
     """``{"count": n, "seeded": k, "<name>": {"p50": ..., "p99": ...}, ...}``
     over the successful, non-warm-up results that have a handoff;
-    ``seeded``: how many took token #1 from P."""
+    ``seeded``: how many took token #1 from P (either push flow)."""
     rows: list[dict[str, float]] = []
     seeded = 0
     for r in results:
@@ -177,7 +187,8 @@ def summarize_handoffs(results: Iterable[RequestResult]) -> dict[str, Any]:
             continue
         rows.append(one)
         proxy = (r.telemetry or {}).get("proxy") or {}
-        seeded += proxy.get("first_token") == "seeded"
+        # ``seeded`` or ``seeded:concurrent`` (push's D leg beside P's).
+        seeded += str(proxy.get("first_token", "")).split(":")[0] == "seeded"
     out: dict[str, Any] = {"count": len(rows), "seeded": seeded}
     for name in HANDOFF:
         xs = [row[name] for row in rows if name in row]

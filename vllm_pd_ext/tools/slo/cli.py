@@ -39,7 +39,7 @@ from typing import Any
 
 from vllm_pd_ext.tools.slo.client import run_point
 from vllm_pd_ext.tools.slo.metrics import Gates, parse_slo, point_passes, summarize
-from vllm_pd_ext.tools.slo.trace import make_trace
+from vllm_pd_ext.tools.slo.trace import as_text, make_trace
 
 _WAITING = re.compile(r"^vllm:num_requests_waiting\{[^}]*\}\s+(\S+)", re.M)
 
@@ -104,6 +104,10 @@ def _load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-tokens", type=int, default=32)
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrivals: 1 = Poisson, < 1 burstier")
+    g.add_argument("--text-prompts", action="store_true",
+                   help="send each prompt as text (its ids decoded with the model's "
+                   "tokenizer, cut to the same token count), not token ids: push's "
+                   "--concurrent-dispatch takes text prompts only")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
     g.add_argument("--no-stop-on-overload", action="store_true",
@@ -178,6 +182,13 @@ class QueueSampler:
                 "waiting_last_third_mean": sum(waits[-third:]) / third}
 
 
+def _tokenizer(model: str) -> Any:
+    """The model's tokenizer (``--text-prompts``): ``model`` must be its directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
           metrics_urls: list[str]) -> dict[str, Any]:
     """One deployment over every rate; stops above a rate whose queue grew
@@ -191,6 +202,8 @@ def sweep(name: str, urls: list[str], model: str, args: argparse.Namespace,
                            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                            seed=args.seed, point=i, burstiness=args.burstiness,
                            prompt_jitter=args.prompt_jitter)
+        if args.text_prompts:
+            trace = as_text(trace, _tokenizer(args.model))
         with QueueSampler(metrics_urls) as sampler:
             results, duration = asyncio.run(run_point(
                 urls, model, trace, timeout_s=args.timeout, progress=not args.no_progress,

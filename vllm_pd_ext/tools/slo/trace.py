@@ -10,14 +10,17 @@ Prompts are random token ids drawn from a generator keyed by
 ``(seed, point, index)``: the same for every deployment at one seed and
 point, different between points and requests, so an engine's prefix cache
 cannot hit across rate points. The first ``warmup`` requests are sent at the
-same rate but excluded from the metrics.
+same rate but excluded from the metrics. ``as_text`` turns them into text
+(the caller's tokenizer) for a path that takes text prompts only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,8 @@ class TraceRequest:
     index: int
     #: Scheduled send time, seconds from the start of the rate point.
     at_s: float
-    prompt: list[int]
+    #: Token ids; text with ``--text-prompts`` (``as_text``).
+    prompt: list[int] | str
     output_tokens: int
     warmup: bool
 
@@ -49,6 +53,34 @@ def make_prompt(seed: int, point: int, index: int, prompt_tokens: int,
         length = max(1, round(rng.uniform(prompt_tokens * (1 - prompt_jitter),
                                           prompt_tokens * (1 + prompt_jitter))))
     return rng.choices(range(vocab[0], vocab[1]), k=length)
+
+
+def as_text(trace: list[TraceRequest], tokenizer: Any) -> list[TraceRequest]:
+    """The same trace with text prompts: each prompt's ids decoded, cut so
+    that the text tokenizes back to at most as many tokens (a decoded id
+    sequence usually re-tokenizes longer). For a proxy path that takes text
+    only (push's ``--concurrent-dispatch``): the lengths stay within a few
+    tokens of the id prompts'."""
+    out = []
+    def tokens(ids: list[int], k: int) -> tuple[int, str]:
+        text = tokenizer.decode(ids[:k])
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+    for req in trace:
+        assert not isinstance(req.prompt, str)
+        ids = list(req.prompt)
+        target = len(ids)
+
+        lo, hi, best = 1, target, tokens(ids, 1)[1]
+        while lo <= hi:  # the longest cut whose text fits the target
+            mid = (lo + hi) // 2
+            n, text = tokens(ids, mid)
+            if n <= target:
+                lo, best = mid + 1, text
+            else:
+                hi = mid - 1
+        out.append(dataclasses.replace(req, prompt=best))
+    return out
 
 
 def make_trace(*, rate: float, num_requests: int, warmup: int, prompt_tokens: int,
