@@ -132,7 +132,7 @@ def main() -> int:
         print(f"request latency:        {elapsed * 1e3:.0f} ms")
         paths = first_token_paths(proxy.url)
         print(f"token #1:               "
-              f"{'from P, D continued from token #2' if paths.get('seeded') else paths}")
+              f"{describe_first_token(paths)}")
         # An unsigned handoff leg sent straight to D (what any client of D's
         # port could try): refused before it reaches the engine.
         forged, answer = d.post("/v1/completions", {
@@ -159,6 +159,16 @@ def first_token_paths(url: str) -> dict[str, float]:
         text = r.read().decode()
     return {m[1] + (f":{m[2]}" if m[2] else ""): float(m[3]) for m in re.finditer(
         r'^pd_proxy_first_token_total\{path="([^"]*)",reason="([^"]*)"\} (\S+)$', text, re.M)}
+
+
+def describe_first_token(paths: dict[str, float]) -> str:
+    """What the proxy did with token #1, in words."""
+    if paths.get("seeded"):
+        return "from P, D continued from token #2"
+    if paths.get("seeded:concurrent"):
+        return ("from P, D continued from token #2 (D's leg went out with P's; token #1 "
+                "came with the KV)")
+    return str(paths)
 
 
 if __name__ == "__main__":

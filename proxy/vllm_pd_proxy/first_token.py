@@ -197,6 +197,8 @@ def pending_body(body: dict[str, Any], stream: bool) -> dict[str, Any] | None:
         if limit <= 1:
             return None
         out["max_tokens"] = limit - 1
+    elif limit is None:
+        out["max_tokens"] = None  # "no limit" said outright: not D's default
     least = body.get("min_tokens")
     if type(least) is int and least > 1:
         out["min_tokens"] = least - 1

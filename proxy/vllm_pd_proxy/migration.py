@@ -161,6 +161,10 @@ def continuation_body(body: dict[str, Any], prompt_ids: list[int], sent_ids: lis
         if limit - done <= 0:
             return None
         out["max_tokens"] = limit - done
+    elif not chat and "max_tokens" in body:
+        # ``null`` said outright: the model's length bounds it, not vLLM's
+        # completions default (which an absent field would get).
+        out["max_tokens"] = None
     least = _positive_int(body.get("min_tokens")) or _positive_int(
         body.get("min_completion_tokens"))
     if least and least - done > 0:

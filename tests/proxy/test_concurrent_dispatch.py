@@ -157,3 +157,18 @@ async def test_the_concurrent_d_leg_is_signed_over_its_own_body(engines, proxy):
     assert d_leg["kv_transfer_params"]["pd_seed_pending"] is True
     # What D's API server checks: the signature binds D's own leg.
     verify_leg(keyring, d_leg["kv_transfer_params"], request_id="r7", body=d_leg)
+
+
+async def test_max_tokens_null_stays_no_limit_on_d(engines, proxy):
+    """``"max_tokens": null`` means no limit but the model's length (not
+    vLLM's default 16): D's leg says so too, in both push flows and pull."""
+    for mode, concurrent in (("push", True), ("push", False), ("pull", False)):
+        p = await engines("prefill", override=TokenEngine())
+        d = await engines("decode", override=TokenEngine())
+        client = await proxy([p], [d], transfer_mode=mode, first_token_from_prefill=True,
+                             concurrent_dispatch=concurrent)
+        req = {"model": "m", "prompt": PROMPT, "max_tokens": None}
+        resp = await client.post("/v1/completions", json=req)
+        assert resp.status == 200
+        (d_leg,) = d.override.bodies
+        assert "max_tokens" in d_leg and d_leg["max_tokens"] is None, (mode, concurrent)
