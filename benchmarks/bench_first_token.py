@@ -97,6 +97,8 @@ def run(model: str, length: int, name: str, args: argparse.Namespace) -> Path:
            "--max-model-len", str(positions),
            "--slo", "ttft:100000,tpot:10000,itl:10000", "--no-progress",
            "--out-dir", str(out), *DEPLOYMENTS[name]]
+    if args.burstiness != 1.0:
+        cmd += ["--burstiness", str(args.burstiness)]
     if args.text_prompts:
         cmd.append("--text-prompts")
     print("$", " ".join(cmd), flush=True)
@@ -168,6 +170,10 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,300,1000,4000")
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     ap.add_argument("--rate", type=float, default=None, help="override the idle rate")
+    ap.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the arrivals (vllm-pd-bench's): 1 Poisson; a large "
+                    "one (50) nearly evenly spaced, so a rate just under 1 / prefill time "
+                    "keeps P idle between requests (long prompts of the bench model)")
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--output-tokens", type=int, default=16)

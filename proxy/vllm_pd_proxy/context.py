@@ -111,6 +111,9 @@ class RequestContext:
     decode_extra: dict[str, Any] | None = None
     # The client's stream started (a later failure cannot be an HTTP error).
     stream_started: bool = False
+    # The client's stream got ``data: [DONE]``: it has its whole answer, and
+    # a disconnect from then on (SDKs close at once) is no cancellation.
+    client_done: bool = False
     # Loop time of the last event relayed to the client.
     progress: float = 0.0
 

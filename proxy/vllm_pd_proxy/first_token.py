@@ -181,23 +181,34 @@ def decode_body(body: dict[str, Any], seed: Seed, chat: bool, stream: bool
     return out
 
 
-def pending_body(body: dict[str, Any], stream: bool) -> dict[str, Any] | None:
+def pending_body(body: dict[str, Any], stream: bool, chat: bool = False
+                 ) -> dict[str, Any] | None:
     """D's leg sent beside P's (push, ``pd_seed_pending``), before token #1
-    exists: the client's completions request, less the token P samples
-    (``max_tokens``/``min_tokens`` one fewer), asking for token ids (the
-    stream's tracker splices it after token #1). D appends P's token #1 to
-    its prompt when the KV lands. None when P's token is the whole answer
-    (a limit of 1): then no D leg goes at all."""
-    out = {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens",
+    exists: the client's request (completions or chat), less the token P
+    samples (its limit and ``min_tokens`` one fewer), asking for token ids
+    (the stream's tracker splices it after token #1). D appends P's token
+    #1 to its prompt when the KV lands. None when P's token is the whole
+    answer (a limit of 1): then no D leg goes at all."""
+    if chat:
+        # vLLM's chat takes max_completion_tokens over max_tokens (the limit
+        # goes on under the key that set it); none named is "the rest of the
+        # context", which token #1 in D's prompt already shortens by one.
+        limits: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+        limit: Any = limit_of(body, True)
+        key = next((k for k in limits if body.get(k) == limit), limits[0])
+    else:
+        key = "max_tokens"
+        limits = (key,)
+        # vLLM's completions default when none is named: D's leg would get
+        # its own default again, one token too many after P's.
+        limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    out = {k: v for k, v in body.items() if k not in (*limits, "min_tokens",
                                                        "kv_transfer_params")}
-    # vLLM's completions default when none is named: D's leg would get its
-    # own default again, one token too many after P's.
-    limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     if type(limit) is int:
         if limit <= 1:
             return None
-        out["max_tokens"] = limit - 1
-    elif limit is None:
+        out[key] = limit - 1
+    elif limit is None and not chat:
         out["max_tokens"] = None  # "no limit" said outright: not D's default
     least = body.get("min_tokens")
     if type(least) is int and least > 1:
@@ -302,13 +313,17 @@ def _merge_logprobs(first: Any, rest: Any, text: str) -> Any:
 def merge(p_answer: dict[str, Any], d_answer: dict[str, Any], seed: Seed, chat: bool,
           wants_ids: bool) -> dict[str, Any] | None:
     """The client's non-streamed answer: token #1 from P's answer, the rest
-    from D's (a completions answer to the continuation); None when D's
+    from D's (a completions answer to the continuation, or a chat answer to
+    a concurrent leg); None when D's
     answer is not one choice."""
     d_choice = _choice(d_answer)
     p_choice = _choice(p_answer)
     if d_choice is None or p_choice is None:
         return None
     rest_text = d_choice.get("text")
+    d_message = d_choice.get("message")
+    if isinstance(d_message, dict):  # a chat D leg (concurrent dispatch)
+        rest_text = d_message.get("content")
     rest_text = rest_text if isinstance(rest_text, str) else ""
     out = {k: v for k, v in p_answer.items() if k not in ("kv_transfer_params", "choices")}
     choice = dict(p_choice)

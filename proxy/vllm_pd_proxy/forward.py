@@ -139,7 +139,12 @@ class Forwarder:
             ctx.status, ctx.outcome, ctx.error = exc.status, exc.outcome, exc.message
             return exc.response(rid)
         except asyncio.CancelledError:
-            ctx.status, ctx.outcome = 499, Outcome.CANCELLED
+            if ctx.client_done:
+                # Gone after [DONE] (the proxy was still reading D's tail):
+                # answered in full, as far as the client is concerned.
+                ctx.status = ctx.status or 200
+            else:
+                ctx.status, ctx.outcome = 499, Outcome.CANCELLED
             raise
         except web.HTTPException as exc:  # e.g. 413 from request.read()
             ctx.status, ctx.outcome, ctx.error = exc.status, Outcome.BAD_REQUEST, exc.reason

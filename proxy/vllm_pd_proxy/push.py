@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -50,6 +51,37 @@ _encode = msgspec.json.encode
 
 # D-leg outcomes that a stale push identity can cause (P refused D's registration).
 _D_FAILURES = frozenset({Outcome.UPSTREAM_5XX, Outcome.UPSTREAM_UNREACHABLE, Outcome.TIMEOUT})
+
+
+@dataclass(slots=True)
+class _Dispatch:
+    """One dispatch of a request's pair of legs: what every flow below needs.
+
+    Made per try of :func:`run_push` (a redispatch makes another, on another
+    prefill slot); ``decode`` None: D is picked when its leg goes out.
+    """
+
+    up: Upstream
+    sink: StreamSink
+    ctx: RequestContext
+    body: dict[str, Any]
+    headers: dict[str, str]
+    decode: Backend | None
+    prefix: tuple[int, ...] | None
+    slot: PrefillSlot
+    identity: PrefillIdentity
+    #: D engines this request left (appended to by a redispatch).
+    tried_d: list[Backend]
+
+    def pd_id(self) -> str:
+        """The key both engines file the push under: unique per dispatch
+        even when clients reuse an X-Request-Id (a duplicate is refused)."""
+        return f"{self.ctx.request_id}-{uuid.uuid4().hex[:8]}"
+
+    def prefill_leg(self, body: bytes) -> asyncio.Future[dict[str, Any]]:
+        """P's leg, started (see :func:`_prefill_leg`)."""
+        return asyncio.ensure_future(_prefill_leg(self.up, self.ctx, self.slot, self.identity,
+                                                  body, self.headers))
 
 
 async def run_push(
@@ -81,17 +113,13 @@ async def run_push(
         # Admitted (a P slot held) before either leg goes out: a queued
         # request has nothing on D yet, so D holds blocks only for admitted ones.
         slot, identity = await _pick_prefill(up, ctx, tried_p)
+        go = _Dispatch(up, sink, ctx, body, headers, decode, prefix, slot, identity, tried_d)
         try:
             if seeding and _concurrent(up, ctx, body):
-                return await _run_concurrent(up, sink, ctx, body, headers, decode, prefix,
-                                             slot, identity, tried_d)
+                return await _run_concurrent(go)
             if seeding:
-                return await _run_seeded(up, sink, ctx, body, headers, decode, prefix, slot,
-                                         identity, tried_d)
-            return await _run_legs(
-                up, affinity, sink, ctx, body, headers, decode, prefix, slot, identity,
-                tried_d, turn
-            )
+                return await _run_seeded(go)
+            return await _run_legs(go, affinity, turn)
         except errors.ProxyError as exc:
             if affinity.readback_failed(ctx, exc, turn):
                 turn = None  # both legs again, P prefills everything
@@ -110,38 +138,25 @@ async def run_push(
             slot.release()  # usually done already, when P's answer ended
 
 
-async def _run_legs(
-    up: Upstream,
-    affinity: Affinity,
-    sink: StreamSink,
-    ctx: RequestContext,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    decode: Backend | None,
-    prefix: tuple[int, ...] | None,
-    slot: PrefillSlot,
-    identity: PrefillIdentity,
-    tried_d: list[Backend],
-    turn: Turn | None = None,
-) -> web.StreamResponse:
+async def _run_legs(go: _Dispatch, affinity: Affinity, turn: Turn | None = None
+                    ) -> web.StreamResponse:
     """One dispatch of the pair: P's leg in the background, D's relayed."""
-    prefill = slot.backend
-    decode = decode or up.pick_decode(ctx, tried_d)
+    up, ctx, body = go.up, go.ctx, go.body
+    prefill = go.slot.backend
+    decode = go.decode or up.pick_decode(ctx, go.tried_d)
     rid = ctx.request_id
-    # The key both engines file the push under: unique per dispatch even
-    # when clients reuse an X-Request-Id (a duplicate key is refused).
-    pd_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+    pd_id = go.pd_id()
     p_leg = affinity.with_readback(push_prefill_params(pd_id), turn)
     p_body = _encode(prefill_body(body, up.sign(p_leg, ctx, body), ctx.responses))
-    d_leg = push_decode_params(identity, pd_id)
+    d_leg = push_decode_params(go.identity, pd_id)
     # Always said, as in pull: D keeps the turn only for --multi-turn.
     d_leg["pd_bidirectional"] = ctx.capture_kv
     d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body), ctx.decode_extra))
     # Both legs go out now: P pushes the KV while D is already waiting for it.
-    p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
+    p_task = go.prefill_leg(p_body)
     answered = False
     try:
-        out = await up.decode_leg(sink, ctx, decode, d_body, headers, prefix, p_task)
+        out = await up.decode_leg(go.sink, ctx, decode, d_body, go.headers, go.prefix, p_task)
         answered = True
         return out
     except errors.ProxyError as exc:
@@ -168,67 +183,52 @@ async def _run_legs(
             )
 
 
-async def _run_seeded(
-    up: Upstream,
-    sink: StreamSink,
-    ctx: RequestContext,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    decode: Backend | None,
-    prefix: tuple[int, ...] | None,
-    slot: PrefillSlot,
-    identity: PrefillIdentity,
-    tried_d: list[Backend],
-) -> web.StreamResponse:
+async def _run_seeded(go: _Dispatch) -> web.StreamResponse:
     """Token #1 from P (:mod:`vllm_pd_proxy.first_token_flow`): P's leg
     first, D's after P's answer (it needs token #1). P holds the prefill
     until D registers, so the lost overlap is one registration round trip;
     D never waits on a prefill that may still fail."""
-    pd_id = f"{ctx.request_id}-{uuid.uuid4().hex[:8]}"
+    up, ctx, body = go.up, go.ctx, go.body
+    pd_id = go.pd_id()
     only_p = first_token_flow.prefill_only(body, ctx)
     p_leg = None if only_p else up.sign(push_prefill_params(pd_id, True), ctx, body)
     p_body = _encode(prefill_body(body, p_leg, ctx.responses, seeding=True))
-    answer = await _prefill_leg(up, ctx, slot, identity, p_body, headers)
-    d_leg = push_decode_params(identity, pd_id)
+    answer = await go.prefill_leg(p_body)
+    d_leg = push_decode_params(go.identity, pd_id)
     d_leg["pd_bidirectional"] = False
-    out = await first_token_flow.serve(up, sink, ctx, body, headers, answer,
-                                       None if only_p else d_leg, decode, prefix, tried_d)
+    out = await first_token_flow.serve(up, go.sink, ctx, body, go.headers, answer,
+                                       None if only_p else d_leg, go.decode, go.prefix,
+                                       go.tried_d)
     if out is not None:
         return out
     if only_p:
         raise first_token_flow.no_token_ids(ctx)
     d_body = _encode(decode_body(body, up.sign(d_leg, ctx, body), ctx.decode_extra))
-    return await up.decode_leg(sink, ctx, decode, d_body, headers, prefix, exclude=tried_d)
+    return await up.decode_leg(go.sink, ctx, go.decode, d_body, go.headers, go.prefix,
+                               exclude=go.tried_d)
 
 
 def _concurrent(up: Upstream, ctx: RequestContext, body: dict[str, Any]) -> bool:
     """Whether a seeded request's D leg goes beside P's (``--concurrent-dispatch``):
-    completions only (a chat leg's chunks are not a continuation's), and
-    not when P's token is the whole answer (no D leg at all).
+    completions and chat (not the Responses API, whose events are no
+    completion chunks), and not when P's token is the whole answer (no D
+    leg at all).
 
-    And only a text prompt: D's API server detokenizes token #2 after the
-    prompt, never having seen token #1. Text ends on a whole character, so
-    token #2's text is the same after either (token #1's own text is whole,
-    or the request falls back); a prompt of token ids may end inside a
-    character, which token #1 completes, and then D's text for token #2
+    And only a prompt that ends on a whole character: D's API server
+    detokenizes token #2 after the prompt, never having seen token #1. A
+    text prompt or a chat's rendered template ends on a whole character,
+    so token #2's text is the same after either (token #1's own text is
+    whole, or the request falls back); a prompt of token ids may end inside
+    a character, which token #1 completes, and then D's text for token #2
     would differ (seen in the e2e tier with random token prompts)."""
-    return (up.config.concurrent_dispatch and not ctx.chat and not ctx.responses
-            and isinstance(body.get("prompt"), str)
-            and first_token.pending_body(body, ctx.stream) is not None)
+    if not up.config.concurrent_dispatch or ctx.responses:
+        return False
+    if not ctx.chat and not isinstance(body.get("prompt"), str):
+        return False
+    return first_token.pending_body(body, ctx.stream, ctx.chat) is not None
 
 
-async def _run_concurrent(
-    up: Upstream,
-    sink: StreamSink,
-    ctx: RequestContext,
-    body: dict[str, Any],
-    headers: dict[str, str],
-    decode: Backend | None,
-    prefix: tuple[int, ...] | None,
-    slot: PrefillSlot,
-    identity: PrefillIdentity,
-    tried_d: list[Backend],
-) -> web.StreamResponse:
+async def _run_concurrent(go: _Dispatch) -> web.StreamResponse:
     """Token #1 from P with both legs at once (issue 29, item 2).
 
     D's leg leaves with P's, before token #1 exists (``pd_seed_pending``):
@@ -242,13 +242,14 @@ async def _run_concurrent(
     cancelled (D aborts it; P's WRITE, if posted, settles first) and the
     answer is P's, or D's own prefill. A D that fails after token #1 is a
     mid-stream failure (a continuation elsewhere, or the error event)."""
+    up, sink, ctx, body, headers = go.up, go.sink, go.ctx, go.body, go.headers
     loop = asyncio.get_running_loop()
-    pd_id = f"{ctx.request_id}-{uuid.uuid4().hex[:8]}"
+    pd_id = go.pd_id()
     p_leg = up.sign(push_prefill_params(pd_id, True), ctx, body)
     p_body = _encode(prefill_body(body, p_leg, ctx.responses, seeding=True))
-    pending = first_token.pending_body(body, ctx.stream)
+    pending = first_token.pending_body(body, ctx.stream, ctx.chat)
     assert pending is not None  # _concurrent()
-    d_leg = push_decode_params(identity, pd_id)
+    d_leg = push_decode_params(go.identity, pd_id)
     d_leg["pd_bidirectional"] = False
     d_leg["pd_seed_pending"] = True
     d_body = _encode(decode_body(pending, up.sign(d_leg, ctx, pending), ctx.decode_extra))
@@ -260,35 +261,37 @@ async def _run_concurrent(
         # nothing of D's goes out before token #1 has.
         await ready
 
-    p_task = asyncio.ensure_future(_prefill_leg(up, ctx, slot, identity, p_body, headers))
+    p_task = go.prefill_leg(p_body)
     d_task = asyncio.ensure_future(up.decode_leg(
-        sink, ctx, decode, d_body, headers, prefix, p_task, exclude=tried_d,
+        sink, ctx, go.decode, d_body, headers, go.prefix, p_task, exclude=go.tried_d,
         continuing=ctx.stream, before_relay=token_one_first))
     try:
         await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
         if p_task.done():
             answer = p_task.result()  # P's failure: D's leg is cancelled below
-            seed = first_token.seed_of(answer, False)
-            if seed is not None and first_token.is_final(seed, first_token.limit_of(body, False)):
+            seed = first_token.seed_of(answer, ctx.chat)
+            if seed is not None and first_token.is_final(seed,
+                                                         first_token.limit_of(body, ctx.chat)):
                 await _cancel(d_task)
                 first_token_flow.record(up, ctx, first_token_flow.PREFILL)
                 return await first_token_flow.answer_from_p(sink, ctx, body, answer, seed,
                                                             wants_ids)
             why = ("no_token_ids" if seed is None
-                   else first_token.seed_refusal(answer, seed, False))
+                   else first_token.seed_refusal(answer, seed, ctx.chat))
             if why is not None or seed is None:
                 # Not to be continued exactly: D prefills the prompt itself
                 # (its prefix cache holds what P's WRITE brought, if it landed).
                 await _cancel(d_task)
                 first_token_flow.record(up, ctx, first_token_flow.FALLBACK, why or "")
                 local = _encode(decode_body(body, None, ctx.decode_extra))
-                return await up.decode_leg(sink, ctx, ctx.decode, local, headers, prefix,
-                                           exclude=tried_d)
+                return await up.decode_leg(sink, ctx, ctx.decode, local, headers, go.prefix,
+                                           exclude=go.tried_d)
             first_token_flow.record(up, ctx, first_token_flow.SEEDED, "concurrent")
             if ctx.stream:
                 # Token #1 goes out now, whatever D is doing.
                 track = await first_token_flow.start_stream(
-                    sink, ctx, first_token.first_events(answer, seed, False, False), wants_ids)
+                    sink, ctx, first_token.first_events(answer, seed, ctx.chat, False),
+                    wants_ids)
                 track.begin_continuation()
             ready.set_result((answer, seed))
         try:

@@ -204,6 +204,10 @@ def complete_response(ctx: RequestContext, opened: OpenedDecode) -> web.Response
     )
 
 
+#: The stream's last event: the client has its whole answer.
+_DONE_EVENT = b"data: [DONE]"
+
+
 def client_events(ctx: RequestContext, events: bytes) -> bytes:
     """Complete SSE events as the client gets them: D's kv_transfer_params
     taken out (multi-turn keeps them in ``ctx``); telemetry puts
@@ -239,13 +243,20 @@ class StreamSink(Protocol):
 class ClientSink:
     """A D stream straight to the client: D's status and content type, its
     events as they come (:func:`client_events`), the proxy's error event
-    after a mid-stream failure."""
+    after a mid-stream failure.
 
-    __slots__ = ("_request", "response")
+    A client that closes its connection once it has ``data: [DONE]`` (as
+    SDKs do) has its whole answer: a reset after that is no cancellation,
+    and is not reported as one (the request's outcome stays ``ok``).
+    """
+
+    __slots__ = ("_request", "done", "response")
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.response: web.StreamResponse | None = None
+        #: ``data: [DONE]`` reached the client's connection.
+        self.done = False
 
     async def start(self, ctx: RequestContext, opened: OpenedDecode) -> None:
         headers = _client_headers(ctx, opened.resp)
@@ -263,13 +274,23 @@ class ClientSink:
 
     async def write(self, ctx: RequestContext, events: bytes) -> None:
         assert self.response is not None
-        await self.response.write(client_events(ctx, events))
+        try:
+            await self.response.write(client_events(ctx, events))
+        except ConnectionResetError:
+            if not self.done:
+                raise
+        if _DONE_EVENT in events:
+            self.done = ctx.client_done = True
 
     async def end(self, error: errors.ProxyError | None) -> None:
         assert self.response is not None
-        if error is not None:
-            await self.response.write(error.sse_event())
-        await self.response.write_eof()
+        try:
+            if error is not None:
+                await self.response.write(error.sse_event())
+            await self.response.write_eof()
+        except ConnectionResetError:
+            if not self.done:
+                raise
 
 
 class MidStreamFailure(Exception):

@@ -13,7 +13,8 @@ before the client sink, and learns from it:
   does (``null``) and drops the chunks vLLM sends only because they were
   asked for, so the client sees what a collocated engine sends;
 * a **continuation** (a completions stream from another D, see
-  :mod:`vllm_pd_proxy.migration`) is rewritten into the original stream:
+  :mod:`vllm_pd_proxy.migration`, or the chat stream of push's concurrent
+  D leg after P's token #1) is rewritten into the original stream:
   the original id, ``created``, model and object, chat chunks for a chat
   request, completions ``text_offset`` shifted past the text already sent,
   and usage counting the original prompt and every generated token.
@@ -238,7 +239,8 @@ class StreamTracker:
 
     # ------------------------------------------------------ the continuation
     def _splice(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """A continuation chunk (completions) as the original stream's next."""
+        """A continuation chunk (completions, or chat from a concurrent D
+        leg) as the original stream's next."""
         assert self.base is not None
         choices = obj.get("choices")
         usage = obj.get("usage")
@@ -251,9 +253,22 @@ class StreamTracker:
                 out["usage"] = usage
             return out
         choice = choices[0] if isinstance(choices[0], dict) else {}
+        delta = choice.get("delta")
+        extra: dict[str, Any] = {}
+        if isinstance(delta, dict):
+            # A chat continuation (push's concurrent D leg is the client's
+            # chat request): its role chunk went out with token #1 already;
+            # what its parsers put beside the content goes through.
+            if "role" in delta and not delta.get("content") and choice.get(
+                    "finish_reason") is None and not choice.get("token_ids"):
+                return None
+            raw_text = delta.get("content")
+            extra = {k: v for k, v in delta.items()
+                     if k not in ("role", "content") and v is not None}
+        else:
+            raw_text = choice.get("text")
         new = _int_list(choice.get("token_ids")) or []
         self.sent_ids.extend(new)
-        raw_text = choice.get("text")
         text = raw_text if isinstance(raw_text, str) else ""
         finish = choice.get("finish_reason")
         if finish is not None:
@@ -276,9 +291,11 @@ class StreamTracker:
             out = self._top(obj)
             out["choices"] = [one]
         else:
-            if not text and finish is None and self.blank_ids:
+            if not text and not extra and finish is None and self.blank_ids:
                 return None  # vLLM's chat sends no empty chunk unasked
             out = self._chat_chunk(obj, text, finish, choice.get("stop_reason"), ids_out)
+            if extra:
+                out["choices"][0]["delta"].update(extra)
         if usage is not None:
             out["usage"] = usage
         return out

@@ -159,8 +159,10 @@ def open_stream(url: str, body: dict[str, Any], headers: Mapping[str, str] | Non
 
 
 def send_completion(url: str, body: dict[str, Any], rid: str) -> Output:
-    """POST one completion (streamed or not) and insist on a complete 200 answer."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+    """POST one completion (streamed or not; chat when ``body`` has
+    messages) and insist on a complete 200 answer."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           "X-Request-Id": rid})
     try:

@@ -343,7 +343,8 @@ def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -
 
 
 def text_prompt(n_words: int, seed: int) -> str:
-    """A text prompt (concurrent dispatch takes text prompts only)."""
+    """A text prompt (concurrent dispatch takes text prompts and chat, not
+    token ids)."""
     rng = random.Random(seed)
     words = ["block", "cache", "token", "prefill", "decode", "lease", "write", "stream",
              "engine", "proxy", "layer", "head", "tiny", "model", "vector", "page"]
@@ -357,7 +358,8 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
     continues. Under a small concurrent load of text prompts (streamed and
     not), every answer's tokens, text, finish reason and usage equal the
     collocated engine's, D loaded every prompt as KV, and the telemetry
-    names the path."""
+    names the path. Chat too: D's leg is the client's chat request, whose
+    chunks the proxy splices after P's role chunk and token #1."""
     p, d = push["p"], push["d"]
     px = Proxy([p.url], [d.url], log_dir("push-concurrent"),
                args=["--transfer-mode", "push", "--transfer-telemetry"]).start()
@@ -370,13 +372,25 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
             if body["stream"]:
                 body["stream_options"] = {"include_usage": True}
             jobs.append((f"concurrent-{i}", body))
-        wants = {rid: ref.post("/v1/completions", {
+        for i in range(6):
+            chat: dict[str, Any] = {
+                "model": model, "temperature": 0, "return_token_ids": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": text_prompt(40 + 29 * i, seed=171 + i)}],
+                "stream": i % 2 == 0}
+            # Both of chat's limits (max_completion_tokens wins in vLLM).
+            chat["max_completion_tokens" if i % 3 else "max_tokens"] = 5 + i
+            if chat["stream"]:
+                chat["stream_options"] = {"include_usage": True}
+            jobs.append((f"concurrent-chat-{i}", chat))
+        wants = {rid: ref.post("/v1/chat/completions" if "messages" in body
+                               else "/v1/completions", {
             **{k: v for k, v in body.items() if k != "stream_options"}, "stream": False})[1]
             for rid, body in jobs}
         before = d.metrics()
         results = run_clients(px.url, jobs, 4)
         after = d.metrics()
         _, events = stream_text(px.url + "/v1/completions", jobs[0][1])
+        _, chat_events = stream_text(px.url + "/v1/chat/completions", jobs[12][1])
     finally:
         px.stop()
     prompt_tokens = 0
@@ -401,6 +415,16 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
     # D's leg left before P answered; token #1 reached the client first.
     assert proxy_t["decode_sent_ms"] < proxy_t["prefill_done_ms"] <= proxy_t["first_token_ms"]
     assert "cannot continue after P's token #1" not in d.log_text()
+    # A chat stream: one role chunk, first; its usage the collocated one's.
+    chunks = [e for e in chat_events if isinstance(e, dict) and e.get("choices")]
+    assert ["role" in c["choices"][0]["delta"] for c in chunks] == [True] + [False] * (
+        len(chunks) - 1)
+    chat_usage = [{k: e["usage"][k] for k in counts}
+                  for e in chat_events if isinstance(e, dict) and e.get("usage")]
+    assert chat_usage == [{k: wants[jobs[12][0]]["usage"][k] for k in counts}]
+    chat_tele = [e["pd_telemetry"]["proxy"] for e in chat_events
+                 if isinstance(e, dict) and "pd_telemetry" in e]
+    assert [t["first_token"] for t in chat_tele] == ["seeded:concurrent"]
 
 
 def test_a_seed_pending_leg_p_cannot_write_errors_even_under_recompute(

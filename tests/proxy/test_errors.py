@@ -190,6 +190,39 @@ async def test_client_disconnect_cancels_decode_leg(engines, proxy):
     assert 'pd_proxy_requests_total{mode="pull",outcome="cancelled"} 1.0' in metrics
 
 
+async def test_client_closing_after_done_is_no_cancellation(engines, proxy):
+    """Clients (SDKs, our own tests) close the connection once they read
+    ``data: [DONE]``; D may hold its stream open a moment longer. The
+    request was answered in full: its outcome is ok, not cancelled."""
+    finished = asyncio.Event()
+
+    async def lingering_stream(engine, request, body):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(sse(chunk(request.path, "all of it")) + b"data: [DONE]\n\n")
+        try:
+            await asyncio.sleep(0.5)  # the client has gone by now
+            await out.write(b": still here\n\n")
+        finally:
+            finished.set()  # ended, or cancelled by the proxy
+        return out
+
+    p, d = await engines("prefill"), await engines("decode", override=lingering_stream)
+    client = await proxy([p], [d])
+    resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    raw = await asyncio.wait_for(resp.content.readuntil(b"data: [DONE]\n\n"), 3)
+    assert parse_sse(raw)[0]["choices"][0]["text"] == "all of it"
+    resp.close()
+    await asyncio.wait_for(finished.wait(), 5)
+    await wait_for(lambda: d.in_flight == 0)
+    async with asyncio.timeout(5):
+        while 'pd_proxy_requests_total{' not in (metrics := await (await client.get(
+                "/metrics")).text()):
+            await asyncio.sleep(0.02)  # recorded when the proxy's handler returns
+    assert 'pd_proxy_requests_total{mode="pull",outcome="ok"} 1.0' in metrics
+    assert 'outcome="cancelled"' not in metrics
+
+
 async def test_client_disconnect_cancels_prefill_leg(engines, proxy):
     p, d = await engines("prefill", delay=10), await engines("decode")
     client = await proxy([p], [d])

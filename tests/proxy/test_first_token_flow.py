@@ -68,14 +68,16 @@ def flow(mode: str) -> dict[str, Any]:
 
 
 def assert_d_leg(mode: str, d_leg: dict[str, Any], prompt: Any, prompt_ids: list[int],
-                 token_one: int, limit: int) -> None:
+                 token_one: int, limit: int, chat: bool = False) -> None:
     """D's leg continues after token #1: sequential, its prompt carries the
-    token (``pd_seeded_tokens``); concurrent (push), D gets the client's
-    prompt and token #1 comes with the KV (``pd_seed_pending``)."""
+    token (``pd_seeded_tokens``), a completions request even for chat;
+    concurrent (push), D gets the client's request (a chat's messages) and
+    token #1 comes with the KV (``pd_seed_pending``)."""
     params = d_leg["kv_transfer_params"]
     assert d_leg["max_tokens"] == limit - 1
     if mode == "push":
-        assert d_leg["prompt"] == prompt and d_leg["return_token_ids"] is True
+        assert d_leg["messages" if chat else "prompt"] == prompt
+        assert d_leg["return_token_ids"] is True
         assert params["pd_seed_pending"] is True and "pd_seeded_tokens" not in params
     else:
         assert d_leg["prompt"] == [*prompt_ids, token_one]
@@ -136,24 +138,44 @@ async def test_token_one_reaches_the_client_before_d_answers(engines, proxy):
     assert stream_text(rest) == text(ref)
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_chat_stream_starts_with_the_role_then_token_one(engines, proxy, mode):
-    _p, (d,), client = await pd(engines, proxy, transfer_mode=mode)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("wants_ids", [True, False])
+async def test_chat_stream_starts_with_the_role_then_token_one(engines, proxy, mode,
+                                                              wants_ids):
+    _p, (d,), client = await pd(engines, proxy, **flow(mode))
     body = {"model": "m", "messages": CHAT, "max_completion_tokens": N, "stream": True,
-            "return_token_ids": True}
+            "return_token_ids": wants_ids, "stream_options": {"include_usage": True}}
     events = parse_sse(await (await client.post("/v1/chat/completions", json=body)).read())
-    assert events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     ref = reference("/v1/chat/completions", body)
     assert stream_text(events, chat=True) == text(ref)
     assert all(e["object"] == "chat.completion.chunk" for e in events[:-1])
+    assert len({e["id"] for e in events[:-1]}) == 1
+    # One role chunk (P's), first; then one chunk per token, the last one
+    # finishing; then the usage of the whole answer.
+    roles = [e for e in events[:-1] if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert roles == [events[0]]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert events[0]["prompt_token_ids"] == tokenize("/v1/chat/completions", body)
-    # The client asked for the ids: each once, token #1's from P.
-    ids = [t for e in events[1:-1] for t in e["choices"][0]["token_ids"] or ()]
-    assert ids == ref
+    prompt_ids = tokenize("/v1/chat/completions", body)
+    assert events[0]["prompt_token_ids"] == (prompt_ids if wants_ids else None)
+    tokens = events[1:-2]
+    assert len(tokens) == N and all(e["choices"][0]["delta"] for e in tokens)
+    assert [e["choices"][0]["finish_reason"] for e in tokens] == [None] * (N - 1) + ["length"]
+    ids = [t for e in tokens for t in e["choices"][0]["token_ids"] or ()]
+    assert ids == (ref if wants_ids else [])  # each once, token #1's from P
+    assert events[-2]["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": N,
+                                   "total_tokens": len(prompt_ids) + N}
     (d_leg,) = bodies(d)
-    assert "messages" not in d_leg and d_leg["max_tokens"] == N - 1
-    assert d.legs()[0].path == "/v1/completions"
+    if mode == "push":
+        # Beside P's leg, before token #1 existed: the client's own chat
+        # request, one token shorter, on D's chat endpoint.
+        assert d_leg["messages"] == CHAT and d_leg["max_completion_tokens"] == N - 1
+        assert d_leg["kv_transfer_params"]["pd_seed_pending"] is True
+        assert d.legs()[0].path == "/v1/chat/completions"
+    else:
+        assert "messages" not in d_leg and d_leg["max_tokens"] == N - 1
+        assert d.legs()[0].path == "/v1/completions"
+    assert first_token_counts(client) == seeded_count(mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -176,10 +198,9 @@ async def test_non_streamed_answer_merges_token_one_and_d_rest(engines, proxy, m
     assert "kv_transfer_params" not in answer
     (d_leg,) = bodies(d)
     assert d_leg["stream"] is False
-    # Chat's D leg is a continuation (chat chunks are not one): sequential.
-    leg_mode = "push-seq" if chat and mode == "push" else mode
-    assert_d_leg(leg_mode, d_leg, PROMPT, tokenize(path, body), ref[0], N)
-    assert first_token_counts(client) == seeded_count(leg_mode)
+    assert_d_leg(mode, d_leg, CHAT if chat else PROMPT, tokenize(path, body), ref[0], N,
+                 chat=chat)
+    assert first_token_counts(client) == seeded_count(mode)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -107,7 +107,7 @@ def _load_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--text-prompts", action="store_true",
                    help="send each prompt as text (its ids decoded with the model's "
                    "tokenizer, cut to the same token count), not token ids: push's "
-                   "--concurrent-dispatch takes text prompts only")
+                   "--concurrent-dispatch takes text prompts and chat, not token ids")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--timeout", type=float, default=120.0, help="per-request deadline, s")
     g.add_argument("--no-stop-on-overload", action="store_true",

@@ -11,7 +11,7 @@ Prompts are random token ids drawn from a generator keyed by
 point, different between points and requests, so an engine's prefix cache
 cannot hit across rate points. The first ``warmup`` requests are sent at the
 same rate but excluded from the metrics. ``as_text`` turns them into text
-(the caller's tokenizer) for a path that takes text prompts only.
+(the caller's tokenizer) for a path that takes no token-id prompts.
 """
 
 from __future__ import annotations
