@@ -170,17 +170,29 @@ async def test_stream_idle_timeout_ends_stream_with_error(engines, proxy):
     assert events[2] == "[DONE]"
 
 
-async def test_client_disconnect_cancels_decode_leg(engines, proxy):
-    async def slow_stream(engine, request, body):
+async def stream_from(engines, proxy, events: bytes, then):
+    """A pull pair whose D streams ``events``, then awaits ``then()``; the
+    client's streamed request to it. Returns (D, the proxy's client, the
+    client's response)."""
+    async def stream(engine, request, body):
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        await out.write(sse(chunk(request.path, "first")))
-        await asyncio.sleep(10)
+        await out.write(events)
+        await then(out)
         return out
 
-    p, d = await engines("prefill"), await engines("decode", override=slow_stream)
+    p, d = await engines("prefill"), await engines("decode", override=stream)
     client = await proxy([p], [d])
     resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    return d, client, resp
+
+
+async def test_client_disconnect_cancels_decode_leg(engines, proxy):
+    async def hold(out):
+        await asyncio.sleep(10)
+
+    d, client, resp = await stream_from(engines, proxy, sse(chunk("/v1/completions", "first")),
+                                        hold)
     first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 3)
     assert parse_sse(first)[0]["choices"][0]["text"] == "first"
     resp.close()  # client goes away mid-stream
@@ -196,20 +208,15 @@ async def test_client_closing_after_done_is_no_cancellation(engines, proxy):
     request was answered in full: its outcome is ok, not cancelled."""
     finished = asyncio.Event()
 
-    async def lingering_stream(engine, request, body):
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(sse(chunk(request.path, "all of it")) + b"data: [DONE]\n\n")
+    async def linger(out):
         try:
             await asyncio.sleep(0.5)  # the client has gone by now
             await out.write(b": still here\n\n")
         finally:
             finished.set()  # ended, or cancelled by the proxy
-        return out
 
-    p, d = await engines("prefill"), await engines("decode", override=lingering_stream)
-    client = await proxy([p], [d])
-    resp = await client.post("/v1/completions", json={"prompt": "a", "stream": True})
+    d, client, resp = await stream_from(
+        engines, proxy, sse(chunk("/v1/completions", "all of it")) + b"data: [DONE]\n\n", linger)
     raw = await asyncio.wait_for(resp.content.readuntil(b"data: [DONE]\n\n"), 3)
     assert parse_sse(raw)[0]["choices"][0]["text"] == "all of it"
     resp.close()
