@@ -53,6 +53,11 @@ _encode = msgspec.json.encode
 _D_FAILURES = frozenset({Outcome.UPSTREAM_5XX, Outcome.UPSTREAM_UNREACHABLE, Outcome.TIMEOUT})
 
 
+class _Unseeded(Exception):
+    """P's answer could not seed D's concurrent leg, which was cancelled:
+    :func:`run_push` sends the pair again, unseeded (see :func:`_run_concurrent`)."""
+
+
 @dataclass(slots=True)
 class _Dispatch:
     """One dispatch of a request's pair of legs: what every flow below needs.
@@ -120,6 +125,8 @@ async def run_push(
             if seeding:
                 return await _run_seeded(go)
             return await _run_legs(go, affinity, turn)
+        except _Unseeded:
+            seeding = False  # D computes token #1 from the KV P pushes again
         except errors.ProxyError as exc:
             if affinity.readback_failed(ctx, exc, turn):
                 turn = None  # both legs again, P prefills everything
@@ -240,8 +247,9 @@ async def _run_concurrent(go: _Dispatch) -> web.StreamResponse:
     When P's answer cannot seed D
     (its token ended the answer, or cannot be continued exactly) D's leg is
     cancelled (D aborts it; P's WRITE, if posted, settles first) and the
-    answer is P's, or D's own prefill. A D that fails after token #1 is a
-    mid-stream failure (a continuation elsewhere, or the error event)."""
+    answer is P's, or the pair's again, unseeded (:class:`_Unseeded`). A D
+    that fails after token #1 is a mid-stream failure (a continuation
+    elsewhere, or the error event)."""
     up, sink, ctx, body, headers = go.up, go.sink, go.ctx, go.body, go.headers
     loop = asyncio.get_running_loop()
     pd_id = go.pd_id()
@@ -279,13 +287,19 @@ async def _run_concurrent(go: _Dispatch) -> web.StreamResponse:
             why = ("no_token_ids" if seed is None
                    else first_token.seed_refusal(answer, seed, ctx.chat))
             if why is not None or seed is None:
-                # Not to be continued exactly: D prefills the prompt itself
-                # (its prefix cache holds what P's WRITE brought, if it landed).
+                # Not to be continued exactly. D's leg is cancelled, and the
+                # blocks P's WRITE filled go with it (D aborts before it
+                # reports the load, so its prefix cache keeps none of them).
+                # The pair goes again, unseeded: P's prefix cache still holds
+                # the prompt (freed blocks keep their hashes), so P
+                # recomputes only the last partial block and pushes the KV to
+                # a new D leg, which computes token #1 itself. Not D's own
+                # prefill of the whole prompt: that doubled TTFT (seen on
+                # 1 request in 30 at 300 tokens, a token #1 inside a
+                # character) and put a prefill in D's decode batch.
                 await _cancel(d_task)
                 first_token_flow.record(up, ctx, first_token_flow.FALLBACK, why or "")
-                local = _encode(decode_body(body, None, ctx.decode_extra))
-                return await up.decode_leg(sink, ctx, ctx.decode, local, headers, go.prefix,
-                                           exclude=go.tried_d)
+                raise _Unseeded
             first_token_flow.record(up, ctx, first_token_flow.SEEDED, "concurrent")
             if ctx.stream:
                 # Token #1 goes out now, whatever D is doing.

@@ -38,6 +38,7 @@ from tests.e2e.helpers import (
     open_stream,
     poke,
     run_clients,
+    send_completion,
     stream_text,
     token_prompt,
 )
@@ -425,6 +426,87 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
     chat_tele = [e["pd_telemetry"]["proxy"] for e in chat_events
                  if isinstance(e, dict) and "pd_telemetry" in e]
     assert [t["first_token"] for t in chat_tele] == ["seeded:concurrent"]
+
+
+#: P's counter of prompt tokens its prefix cache served.
+LOCAL_HIT = "vllm:prompt_tokens_by_source_total[local_cache_hit]"
+#: An engine's counter of prompt tokens it computed itself.
+COMPUTED = "vllm:prompt_tokens_by_source_total[local_compute]"
+
+
+def prompts_with_a_partial_token_one(ref: Engine, model: str, want: int = 1,
+                                     tries: int = 300) -> list[str]:
+    """Text prompts whose greedy token #1 ends inside a character (its text
+    is empty or ends with U+FFFD), found on this CPU's collocated engine
+    (bf16 rounds differently on other CPUs, so no prompt can be fixed in
+    advance). About 1 prompt in 30 has one."""
+    found: list[str] = []
+    rng = random.Random(5000)
+    for i in range(tries):
+        # Random ids as text (vllm-pd-bench's --text-prompts): word prompts
+        # end on too few distinct tokens to find one.
+        ids = rng.choices(range(10, 3000), k=24 + i % 9)
+        _, detok = ref.post("/detokenize", {"model": model, "tokens": ids})
+        prompt = detok["prompt"]
+        _, got = ref.post("/v1/completions", completion_body(model, prompt, max_tokens=1))
+        text = got["choices"][0]["text"]
+        # vLLM holds an incomplete character back (text ""), or ends it with
+        # U+FFFD; the proxy refuses either as a seed (first_token.seed_refusal).
+        if not text or text.endswith("\ufffd"):
+            found.append(prompt)
+            if len(found) == want:
+                return found
+    raise AssertionError(f"{len(found)} of {tries} prompts had a token #1 inside a "
+                         f"character; the test needs {want}")
+
+
+def test_concurrent_token_one_inside_a_character_goes_again_unseeded(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """A token #1 that ends inside a character cannot seed D's concurrent leg
+    (D's detokenizer would have to join it with token #2): the proxy cancels
+    that leg and sends the pair again unseeded. The answer equals the
+    collocated one, and D still loaded the prompt as KV: P's prefix cache
+    served the second P leg, D computed token #1 from the pushed KV. Before,
+    D prefilled the whole prompt itself (twice the TTFT, and a prefill in
+    D's decode batch)."""
+    p, d = push["p"], push["d"]
+    (prompt,) = prompts_with_a_partial_token_one(ref, model)
+    px = Proxy([p.url], [d.url], log_dir("push-concurrent-partial"),
+               args=["--transfer-mode", "push", "--transfer-telemetry"]).start()
+    try:
+        px.wait_ready()
+        outputs, events = [], []
+        for stream in (True, False):
+            body = completion_body(model, prompt, max_tokens=7, ignore_eos=True,
+                                   stream=stream)
+            _, want = ref.post("/v1/completions", dict(body, stream=False))
+            d0, p0 = d.metrics(), p.metrics()
+            if stream:
+                _, events = stream_text(px.url + "/v1/completions", body)
+                got = stream_output(events)
+            else:
+                got = send_completion(px.url, body, "partial-non-streamed")
+            d1, p1 = d.metrics(), p.metrics()
+            outputs.append((got, want))
+            n = want["usage"]["prompt_tokens"]
+            # The unseeded leg loaded the prompt as KV. (The cancelled seeded
+            # leg may have loaded it too, and counted it, when D's KV and
+            # token #2 beat P's answer to the proxy.)
+            assert delta(d0, d1, EXTERNAL) >= n, stream
+            # D computed no prompt of its own: the fallback before was D's
+            # prefill of the whole prompt.
+            assert delta(d0, d1, COMPUTED) < BLOCK_SIZE, stream
+            # A P leg hit P's prefix cache: every full block of the prompt
+            # (the unseeded leg after the seeded one; the second round's
+            # legs after the first round's).
+            assert delta(p0, p1, LOCAL_HIT) >= (n // BLOCK_SIZE) * BLOCK_SIZE, stream
+    finally:
+        px.stop()
+    for got, want in outputs:
+        assert_same_as_reference(ref, got, want)
+    tele = [e["pd_telemetry"]["proxy"] for e in events
+            if isinstance(e, dict) and "pd_telemetry" in e]
+    assert [t["first_token"] for t in tele] == ["fallback:incomplete_text"], tele
 
 
 def test_a_seed_pending_leg_p_cannot_write_errors_even_under_recompute(

@@ -69,11 +69,12 @@ async def test_p_failing_cancels_the_waiting_d_leg(engines, proxy):
     assert len(d.legs()) == 1
 
 
-async def test_token_one_inside_a_character_cancels_d_and_d_prefills_itself(engines, proxy):
+async def test_token_one_inside_a_character_sends_the_pair_again_unseeded(engines, proxy):
     """P's token #1 ends inside a character: D's text for token #2 would miss
-    its first bytes, so D's concurrent leg is cancelled and D serves the
-    whole request itself (its prefix cache holds what P's WRITE brought)."""
-    _p, (d,), client = await pair(engines, proxy, TokenEngine(partial_first=True))
+    its first bytes, so D's concurrent leg is cancelled and the pair goes
+    again unseeded (P's prefix cache holds the prompt; D computes token #1
+    from the KV P pushes), never as D's own prefill of the whole prompt."""
+    p, (d,), client = await pair(engines, proxy, TokenEngine(partial_first=True))
     for stream in (True, False):
         resp = await client.post("/v1/completions", json=body(stream))
         if stream:
@@ -81,9 +82,17 @@ async def test_token_one_inside_a_character_cancels_d_and_d_prefills_itself(engi
         else:
             got = (await resp.json())["choices"][0]["text"]
         assert got == text(reference("/v1/completions", body(), N))
-    seed_pending = [b.get("kv_transfer_params", {}).get("pd_seed_pending")
-                    for b in d.override.bodies]
-    assert seed_pending == [True, None, True, None]  # each: cancelled, then D alone
+    d_legs = [b.get("kv_transfer_params") or {} for b in d.override.bodies]
+    # Each request: the seeded leg (cancelled), then an unseeded push leg
+    # under a new pd_request_id, never one without kv_transfer_params.
+    assert [leg.get("pd_seed_pending") for leg in d_legs] == [True, None, True, None]
+    assert all(leg.get("do_remote_prefill") for leg in d_legs), d_legs
+    assert d_legs[0]["pd_request_id"] != d_legs[1]["pd_request_id"]
+    assert d.override.bodies[1]["max_tokens"] == N  # the whole answer: D computes #1
+    p_legs = [b["kv_transfer_params"] for b in p.override.bodies]
+    assert len(p_legs) == 4  # P twice per request: seeded, then not
+    assert [leg["pd_request_id"] for leg in p_legs[:2]] == [d_legs[0]["pd_request_id"],
+                                                          d_legs[1]["pd_request_id"]]
     assert first_token_counts(client) == {("fallback", "incomplete_text"): 2}
 
 

@@ -303,18 +303,7 @@ class Engine:
     # ------------------------------------------------------------- HTTP
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0,
              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
-            try:
-                return exc.code, json.loads(text)
-            except json.JSONDecodeError:
-                return exc.code, {"error": text}
+        return post_json(self.url + path, body, timeout, headers)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over labels except ``source``."""
@@ -396,7 +385,27 @@ class Proxy:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
 
-    post = Engine.post
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        return post_json(self.url + path, body, timeout, headers)
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` as JSON; the status and the JSON answer (an error page
+    that is no JSON comes back as ``{"error": text}``)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")
+        try:
+            return exc.code, json.loads(text)
+        except json.JSONDecodeError:
+            return exc.code, {"error": text}
 
 
 @contextlib.contextmanager

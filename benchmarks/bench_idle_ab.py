@@ -1,0 +1,206 @@
+"""Token #1 from P (issue 29) at idle: disaggregated against aggregated,
+request by request, interleaved on one set of engines.
+
+``bench_first_token.py`` runs each deployment after the other (equal
+budget: both cores each), minutes apart; on a shared 2-core VM the host's
+own speed drifts by 10% over that time, more than the effect being
+measured. This benchmark removes the drift: it starts, once,
+
+* ``aggregated``: a plain vLLM engine (no connector) on core 0;
+* P on core 0 and D on core 1 (PDConnector, ``--transfer-mode``), behind
+  ``vllm-pd-proxy`` (token #1 from P; in push, D's leg sent with P's:
+  ``--concurrent-dispatch``, the default);
+* push only, ``push-seq``: a second proxy in front of the same P and D with
+  ``--no-concurrent-dispatch`` (D's leg after P's answer);
+
+and sends one request at a time, every arm in turn (the order rotates each
+round), with ``--pause`` seconds of quiet after each: the machine is idle
+when each request starts, and aggregated's prefill and P's run on the same
+core. The pause is over 1 s because a plain vLLM engine's workers spin on
+their step queue for 1 s after every step (P and D do not: our connector
+quiets them, ``compat/engine.py``); on P's core that spin halved P's
+speed. Every request has its own random prompt of exactly ``--length``
+tokens (text, decoded from random ids as ``vllm-pd-bench --text-prompts``
+does), so no prefix cache hits.
+
+Printed per arm: TTFT p50 / p99 and its ratio to aggregated (the target:
+<= 1.05 on an idle machine), the gap between token #1 and token #2 (for
+aggregated: its first inter-token gap, the same decode step without a
+handoff), and for the disaggregated arms the handoff's figures from each
+request's ``pd_telemetry`` (``tools/slo/breakdown.handoff_of``): gap /
+(transfer + decode step), orchestration. Also the paired ratio: each
+round's disaggregated TTFT over the same round's aggregated one, p50.
+
+    python benchmarks/bench_idle_ab.py --transfer-mode push --length 300 --rounds 30
+    python benchmarks/bench_idle_ab.py --transfer-mode pull --length 128 --rounds 30
+
+Engines and proxies are started and ended by PID; logs and a JSON of every
+request stay under ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vllm_pd_ext.tools.launch import Engine, Proxy
+from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
+from vllm_pd_ext.tools.slo.client import run_point
+from vllm_pd_ext.tools.slo.deploy import Deployment
+from vllm_pd_ext.tools.slo.metrics import RequestResult, percentile
+from vllm_pd_ext.tools.slo.trace import TraceRequest, as_text, make_prompt
+
+#: Seed of the prompts (vllm-pd-bench's ``make_prompt``: one per round and arm).
+SEED = 29
+#: (arm, wall-clock send time, TTFT s) of every request, for result.json.
+STAMPS: list[tuple[str, float, float | None]] = []
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=".models/tiny")
+    p.add_argument("--transfer-mode", choices=("pull", "push"), default="push")
+    p.add_argument("--length", type=int, default=300, help="prompt tokens")
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=2, help="rounds left out of the figures")
+    # Over 1 s: a plain vLLM engine's shared-memory queue readers spin for 1 s
+    # after every message (compat/engine.py's quiet_shm_spin, which our
+    # connector turns off in P and D only); aggregated shares core 0 with P.
+    p.add_argument("--pause", type=float, default=1.5,
+                   help="seconds of quiet after each request (over 1 s: see the code)")
+    p.add_argument("--out-dir", default=".runs/idle-ab")
+    return p.parse_args()
+
+
+def arms(dep: Deployment, agg: Engine, seq: Proxy | None) -> dict[str, str]:
+    assert dep.proxy is not None
+    out = {"aggregated": agg.url, dep.transfer_mode: dep.proxy.url}
+    if seq is not None:
+        out["push-seq"] = seq.url
+    return out
+
+
+def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[TraceRequest]:
+    """One prompt per (round, arm), ``--length`` tokens each, as text."""
+    count = (args.warmup + args.rounds) * len(names)
+    trace = [TraceRequest(index=i, at_s=0.0,
+                          prompt=make_prompt(SEED, args.length, i, args.length),
+                          output_tokens=args.output_tokens,
+                          warmup=i < args.warmup * len(names))
+             for i in range(count)]
+    return as_text(trace, tokenizer)
+
+
+async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
+                     pause: float) -> dict[str, list[RequestResult]]:
+    names = list(urls)
+    out: dict[str, list[RequestResult]] = {n: [] for n in names}
+    rounds = len(trace) // len(names)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k, name in enumerate(order):
+            req = trace[r * len(names) + k]
+            at = time.time()
+            got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
+                                     progress=False)
+            out[name].append(got[0])
+            STAMPS.append((name, at, got[0].ttft_s))
+            if not got[0].ok:
+                print(f"  {name} round {r}: {got[0].error}", flush=True)
+            await asyncio.sleep(pause)
+        done = {n: [x.ttft_s for x in out[n] if x.ok and x.ttft_s] for n in names}
+        print(f"round {r + 1}/{rounds}: " + ", ".join(
+            f"{n} {1000 * v[-1]:.0f} ms" for n, v in done.items() if v), flush=True)
+    return out
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def table(results: dict[str, list[RequestResult]]) -> list[str]:
+    measured = {n: [r for r in rs if not r.warmup] for n, rs in results.items()}
+    ttft = {n: [1000 * r.ttft_s for r in rs if r.ok and r.ttft_s is not None]
+            for n, rs in measured.items()}
+    base = ttft["aggregated"]
+    b50, b99 = percentile(base, 50), percentile(base, 99)
+    lines = ["| arm | requests ok | TTFT p50 / p99 ms | TTFT / aggregated p50 / p99 "
+             "| paired ratio p50 | gap #1 -> #2 p50 ms | decode step p50 ms "
+             "| gap / (transfer + step) p50 / p99 | orchestration p50 / p99 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, rs in measured.items():
+        t50, t99 = percentile(ttft[name], 50), percentile(ttft[name], 99)
+        ok = [r for r in rs if r.ok]
+        first = [1000 * r.itl_s[0] for r in ok if r.itl_s]
+        step = [1000 * statistics.median(r.itl_s[1:]) for r in ok if len(r.itl_s) > 1]
+        if name == "aggregated":
+            lines.append(f"| {name} | {len(ok)}/{len(rs)} | {fmt(t50)} / {fmt(t99)} | 1 | 1 "
+                         f"| {fmt(percentile(first, 50))} | {fmt(percentile(step, 50))} "
+                         "| | |")
+            continue
+        paired = [1000 * d.ttft_s / (1000 * a.ttft_s)
+                  for d, a in zip(rs, measured["aggregated"], strict=True)
+                  if d.ok and a.ok and d.ttft_s and a.ttft_s]
+        h = summarize_handoffs(rs)
+        ratio = (f"{fmt(t50 / b50, 2)} / {fmt(t99 / b99, 2)}"
+                 if t50 and t99 and b50 and b99 else "-")
+        lines.append(
+            f"| {name} | {len(ok)}/{len(rs)} | {fmt(t50)} / {fmt(t99)} | {ratio} "
+            f"| {fmt(percentile(paired, 50), 2)} "
+            f"| {fmt(h['first_gap_ms']['p50'])} | {fmt(h['decode_step_ms']['p50'])} "
+            f"| {fmt(h['gap_ratio']['p50'], 2)} / {fmt(h['gap_ratio']['p99'], 2)} "
+            f"| {fmt(h['orchestration_ms']['p50'], 2)} / {fmt(h['orchestration_ms']['p99'], 2)} |")
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer  # heavy; after argparse
+
+    out = Path(args.out_dir) / f"{Path(args.model).name}-{args.length}-{args.transfer_mode}"
+    model = str(Path(args.model).resolve())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode)
+    agg = Engine("agg", model, out / "logs" / "aggregated", connector=None, role=None,
+                 cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
+                 max_model_len=dep.max_model_len, taskset=True)
+    seq: Proxy | None = None
+    started = time.monotonic()
+    try:
+        agg.start()
+        dep.start()
+        agg.wait_ready(timeout=900)
+        if args.transfer_mode == "push":
+            p, d = dep.engines
+            seq = Proxy([p.url], [d.url], out / "logs" / "push-seq", args=[
+                "--transfer-mode", "push", "--transfer-telemetry", "--no-concurrent-dispatch",
+                "--queue-timeout", "3600"]).start().wait_ready(60)
+        urls = arms(dep, agg, seq)
+        print(f"engines up in {time.monotonic() - started:.0f} s; arms: {', '.join(urls)}",
+              flush=True)
+        trace = prompts(args, list(urls), tokenizer)
+        results = asyncio.run(interleave(urls, model, trace, args.pause))
+    finally:
+        if seq is not None:
+            seq.stop()
+        dep.stop()
+        agg.stop()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_bytes(msgspec.json.encode(
+        {"config": vars(args), "results": results, "stamps": STAMPS}))
+    print(f"\n{Path(args.model).name}, {args.length} tokens, {args.transfer_mode}, "
+          f"{args.rounds} rounds after {args.warmup} warm-up, one request at a time "
+          f"({json.dumps(str(out / 'result.json'))}):\n")
+    print("\n".join(table(results)))
+
+
+if __name__ == "__main__":
+    main()
