@@ -61,6 +61,12 @@ from vllm_pd_ext.tools.slo.trace import TraceRequest, as_text, make_prompt
 SEED = 29
 #: (arm, wall-clock send time, TTFT s) of every request, for result.json.
 STAMPS: list[tuple[str, float, float | None]] = []
+#: D's own time for its first step of each disaggregated request, from D's
+#: ``/metrics`` around it (one request at a time): vLLM's
+#: ``request_prefill_time`` (first scheduled, after the KV arrived, to its
+#: first output: token #2 when token #1 came from P), ms, per arm.
+D_FIRST_STEP: dict[str, list[float]] = {}
+PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 
 
 def parse_args() -> argparse.Namespace:
@@ -100,7 +106,7 @@ def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[
 
 
 async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
-                     pause: float) -> dict[str, list[RequestResult]]:
+                     pause: float, d: Engine) -> dict[str, list[RequestResult]]:
     names = list(urls)
     out: dict[str, list[RequestResult]] = {n: [] for n in names}
     rounds = len(trace) // len(names)
@@ -109,9 +115,13 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
         for k, name in enumerate(order):
             req = trace[r * len(names) + k]
             at = time.time()
+            before = d.metrics().get(PREFILL_SUM, 0.0) if name != "aggregated" else 0.0
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
                                      progress=False)
             out[name].append(got[0])
+            if name != "aggregated" and not req.warmup:
+                D_FIRST_STEP.setdefault(name, []).append(
+                    1000 * (d.metrics().get(PREFILL_SUM, 0.0) - before))
             STAMPS.append((name, at, got[0].ttft_s))
             if not got[0].ok:
                 print(f"  {name} round {r}: {got[0].error}", flush=True)
@@ -120,6 +130,21 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
         print(f"round {r + 1}/{rounds}: " + ", ".join(
             f"{n} {1000 * v[-1]:.0f} ms" for n, v in done.items() if v), flush=True)
     return out
+
+
+def gap_table(results: dict[str, list[RequestResult]]) -> list[str]:
+    lines = ["| arm | gap #1 -> #2 | D's first step (engine) | D's decode step | "
+             "gap - D's first step |", "|---|---:|---:|---:|---:|"]
+    for name, rs in results.items():
+        if name == "aggregated" or name not in D_FIRST_STEP:
+            continue
+        ok = [r for r in rs if not r.warmup and r.ok and len(r.itl_s) > 1]
+        gap = percentile([1000 * r.itl_s[0] for r in ok], 50)
+        step = percentile([1000 * statistics.median(r.itl_s[1:]) for r in ok], 50)
+        first = percentile(D_FIRST_STEP[name], 50)
+        rest = gap - first if gap is not None and first is not None else None
+        lines.append(f"| {name} | {fmt(gap)} | {fmt(first)} | {fmt(step)} | {fmt(rest)} |")
+    return lines
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -187,7 +212,7 @@ def main() -> None:
         print(f"engines up in {time.monotonic() - started:.0f} s; arms: {', '.join(urls)}",
               flush=True)
         trace = prompts(args, list(urls), tokenizer)
-        results = asyncio.run(interleave(urls, model, trace, args.pause))
+        results = asyncio.run(interleave(urls, model, trace, args.pause, dep.engines[1]))
     finally:
         if seq is not None:
             seq.stop()
@@ -195,11 +220,17 @@ def main() -> None:
         agg.stop()
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_bytes(msgspec.json.encode(
-        {"config": vars(args), "results": results, "stamps": STAMPS}))
+        {"config": vars(args), "results": results, "stamps": STAMPS,
+         "d_first_step_ms": D_FIRST_STEP}))
     print(f"\n{Path(args.model).name}, {args.length} tokens, {args.transfer_mode}, "
           f"{args.rounds} rounds after {args.warmup} warm-up, one request at a time "
           f"({json.dumps(str(out / 'result.json'))}):\n")
     print("\n".join(table(results)))
+    print("\nWhere the gap #1 -> #2 goes (p50, ms): D's first step is vLLM's own "
+          "request_prefill_time on D (scheduled after the KV arrived, to token #2 "
+          "leaving its engine core); the rest is the KV's arrival after P's answer, "
+          "D's output path against P's, and the host\n")
+    print("\n".join(gap_table(results)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from vllm_pd_ext.compat import (
     required_kv_cache_layout,
     speculative_problem,
 )
+from vllm_pd_ext.compat.engine import note_model_step
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.metadata import PDConnectorMetadata
 from vllm_pd_ext.stats import PDPromMetrics, PDStats
@@ -76,7 +77,10 @@ class PDConnector(KVConnectorBase_V1):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        # While steps run the model, vLLM's queue readers here spin (latency).
+        note_model_step(not meta.idle)
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -114,6 +118,7 @@ class PDConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         assert meta is None or isinstance(meta, PDConnectorMetadata)
+        note_model_step(meta is not None and not meta.idle)
         self.worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -84,6 +84,8 @@ def _idle_cpu(writer: Any, reader: Any, msg: str, wait_s: float = 0.5) -> float:
 def test_quieted_reader_sleeps_when_idle_and_still_gets_messages(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # No step of this process ran the model (see the test below).
+    monkeypatch.setattr(compat_engine, "_last_model_step", [float("-inf")])
     writer, reader = _pair()
     calls = _count_waits(monkeypatch, reader)
     # Before: vLLM's reader busy-loops for 1 s after a read. The read and the
@@ -163,3 +165,31 @@ def test_the_plugin_hook_quiets_new_readers_only_when_asked(monkeypatch: pytest.
     assert getattr(shm_broadcast.SpinCondition.__init__, "_pd_ext_quiet", False)
     outcome, = patches._once[patches.Process.PLUGIN]
     assert (outcome.name, outcome.status) == ("quiet_shm_spin_everywhere", "applied")
+
+
+def test_quieted_reader_spins_while_the_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the engine's steps compute (``note_model_step(True)`` at each),
+    a quieted reader spins as vLLM's does: a wake-up through the
+    notification cost each decode step 1 to 4 ms on our CPU host. Empty
+    steps (``note_model_step(False)``: only KV moves, issue 11's case) and
+    ``MODEL_SPIN_S`` after the last computing step, it sleeps again."""
+    monkeypatch.setattr(compat_engine, "_last_model_step", [float("-inf")])
+    monkeypatch.setattr(compat_engine, "MODEL_SPIN_S", 0.3)
+    writer, reader = _pair()
+    calls = _count_waits(monkeypatch, reader)
+    assert compat_engine.quiet_shm_spin() >= 1
+
+    compat_engine.note_model_step(False)
+    _idle_cpu(writer, reader, "empty step", wait_s=0.1)
+    assert calls["poll"] > 0 and calls["yield"] == 0, dict(calls)
+
+    calls.clear()
+    compat_engine.note_model_step(True)
+    _idle_cpu(writer, reader, "decode step", wait_s=0.1)
+    assert calls["yield"] > 0 and calls["poll"] == 0, dict(calls)
+
+    # The window ends MODEL_SPIN_S after the last computing step.
+    time.sleep(0.3)
+    calls.clear()
+    _idle_cpu(writer, reader, "after decoding", wait_s=0.1)
+    assert calls["poll"] > 0 and calls["yield"] == 0, dict(calls)

@@ -35,7 +35,7 @@ from tests.e2e.helpers import (
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
 from vllm_pd_ext.tools import sse
-from vllm_pd_ext.tools.launch import free_port
+from vllm_pd_ext.tools.ports import free_port
 from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ import aiohttp
 import pytest
 from pdproxy_helpers import parse_sse
 from vllm_pd_proxy.cli import build_parser, config_from_args, main
+
+from vllm_pd_ext.tools.ports import free_port
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "proxy.md"
 
@@ -83,15 +84,9 @@ def test_bad_flags_exit_with_usage_error(capsys):
     assert "--prefill-timeout must be > 0" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_console_command_end_to_end(engines):
     p, d = await engines("prefill"), await engines("decode", chunks=["a", "b"])
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
+# Reserved across processes (xdist workers), below the ephemeral range.
+from vllm_pd_ext.tools.ports import free_port
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+__all__ = ["FakeClock", "free_port"]
 
 
 class FakeClock:

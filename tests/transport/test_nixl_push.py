@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ import nixl_peer
 
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseState, LeaseTable
+from vllm_pd_ext.tools.ports import free_port
 from vllm_pd_ext.transport import TransportError, XferState
 from vllm_pd_ext.transport.coalesce import build_descriptors
 from vllm_pd_ext.transport.nixl import NixlTransport
@@ -43,12 +43,6 @@ SRC, DST = [5, 6, 7], [1, 2, 9]
 COMPAT = proto.CompatInfo(protocol_version=proto.PROTOCOL_VERSION, model="m", dtype="bf16",
                           block_size=16, kv_layout="NHD", num_layers=LAYERS, num_kv_heads=1,
                           head_size=8, tp_size=1, transfer_mode="push")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def regions(addr: int) -> list[Region]:

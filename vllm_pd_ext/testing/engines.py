@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_pd_ext.tools.launch import SAFE_ENV, Engine, Proxy, free_port, running
+from vllm_pd_ext.tools.launch import SAFE_ENV, Engine, Proxy, running
+from vllm_pd_ext.tools.ports import free_port
 
 __all__ = ["REPO", "SAFE_ENV", "Engine", "Proxy", "free_port", "running"]
 

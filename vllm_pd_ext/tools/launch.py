@@ -25,10 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from vllm_pd_ext.tools.ports import free_port
 
 
 class NetHost(Protocol):
@@ -65,20 +65,6 @@ SAFE_ENV = {
     "DO_NOT_TRACK": "1",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
 }
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768+), so that the ports
-    vLLM and UCX take by binding port 0 cannot race with the ones we pick."""
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def parse_tp_pair(text: str, max_tp: int = 2) -> tuple[int, int]:
