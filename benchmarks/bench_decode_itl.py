@@ -11,14 +11,17 @@ the host's drift spreads over all of them. Arms:
 * ``plain``: vLLM with no connector (its queue readers spin for 1 s after
   every message);
 * ``d``: PDConnector as ``kv_consumer``, defaults (``quiet_shm_spin``:
-  readers spin while the engine's steps run the model, else sleep);
-* ``d-spin``: the same with ``quiet_shm_spin: false`` (vLLM's spin always).
+  the readers sleep on the queue's notification);
+* ``d-spin-computing``: with ``spin_while_computing: true`` (they spin as
+  vLLM's do while the engine's steps compute, else sleep);
+* ``d-spin``: with ``quiet_shm_spin: false`` (vLLM's spin always).
 
 Printed: each run's ITL p50 and p90 (the first inter-token gap and the
 first ``--skip`` requests left out), then per arm the median of the runs'
 p50 and its ratio to ``plain``'s.
 
     python benchmarks/bench_decode_itl.py --reps 3
+    python benchmarks/bench_decode_itl.py --arms plain,d,d-spin-computing --reps 2
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from vllm_pd_ext.tools.launch import Engine
 ARMS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "plain": (None, {}),
     "d": ("PDConnector", {}),
+    "d-spin-computing": ("PDConnector", {"spin_while_computing": True}),
     "d-spin": ("PDConnector", {"quiet_shm_spin": False}),
 }
 
@@ -100,7 +104,7 @@ def main() -> None:
         for name in names:
             p50, p90 = run_arm(name, args, model, Path(args.out_dir))
             p50s[name].append(p50)
-            print(f"rep {rep + 1}: {name:7s} ITL p50 {p50:.2f} ms, p90 {p90:.2f} ms", flush=True)
+            print(f"rep {rep + 1}: {name:16s} ITL p50 {p50:.2f} ms, p90 {p90:.2f} ms", flush=True)
     base = statistics.median(p50s["plain"]) if "plain" in p50s else None
     print(f"\n{Path(args.model).name}, core {args.core}, {args.prompt}-token prompts, "
           f"{args.tokens} tokens, {args.requests} requests x {args.reps} runs per arm:")
@@ -108,7 +112,7 @@ def main() -> None:
         med = statistics.median(values)
         ratio = f"  {med / base:.2f}x plain" if base else ""
         runs = ", ".join(f"{v:.2f}" for v in values)
-        print(f"  {name:7s} ITL p50 (median of runs) {med:.2f} ms{ratio}   runs: {runs}")
+        print(f"  {name:16s} ITL p50 (median of runs) {med:.2f} ms{ratio}   runs: {runs}")
 
 
 if __name__ == "__main__":

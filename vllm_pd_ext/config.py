@@ -69,6 +69,10 @@ class PDConfig:
     #: on their notification instead of spinning for 1 s after every
     #: message (compat.quiet_shm_spin).
     quiet_shm_spin: bool = True
+    #: CPU, with quiet_shm_spin: the quieted readers spin as vLLM's do while
+    #: the engine's steps compute (issue 29: the notification's wake-up cost
+    #: each decode step 0.4 to 3.8 ms). For engines on cores of their own only.
+    spin_while_computing: bool = False
     #: Seconds a drain (SIGTERM or POST /pd/drain, drain.py) may take in all:
     #: the engine refuses new requests, answers the admitted ones, serves
     #: the leases it granted in what is left, then exits. Also vLLM's
@@ -314,6 +318,7 @@ _VALIDATORS: dict[str, Any] = {
     "kv_huge_pages": _bool,
     "bind_engine_core": _bool,
     "quiet_shm_spin": _bool,
+    "spin_while_computing": _bool,
     "drain_timeout": _non_negative,
     "nixl_progress_interval_ms": _non_negative,
     "side_channel_advertise_host": _optional_host,

@@ -90,6 +90,9 @@ class PDConnector(KVConnectorBase_V1):
         self.scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if connector_output.finished_recving:
+            # The next step computes the requests whose KV arrived.
+            note_model_step(True)
         self.scheduler.update_connector_output(connector_output)
 
     def take_requests_to_fail(self) -> dict[str, str]:
@@ -135,6 +138,9 @@ class PDConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self.worker.get_transfer_results()
+        if recving:
+            # The next step computes them: wait for it spinning, not asleep.
+            note_model_step(True)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed)
 

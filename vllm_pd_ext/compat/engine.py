@@ -25,27 +25,34 @@ from typing import Any
 #: after that (idle: 100 wake-ups a second, well under 1% of a core).
 QUIET_POLL_MS = (1, 10)
 QUIET_ACTIVE_S = 0.1
-#: A quieted reader spins as vLLM's own do (``sched_yield``, within vLLM's
-#: busy window after its last message) while this process's engine ran the
-#: model less than this long ago (``note_model_step``): a wake-up through
-#: the notification costs each decode step 1.1 to 3.9 ms on our CPU host
-#: (ITL 6.7 to 9.3 ms against 5.4 to 6.1 spinning, tiny model, one core),
-#: and a step that computes keeps its core busy anyway. Longer than a step,
-#: so the reader waiting for a step's answer spins through it.
+#: With ``spin_while_computing`` (opt-in), a quieted reader spins as vLLM's
+#: do (``sched_yield``, within vLLM's busy window after its last message)
+#: while this process's engine ran the model less than ``MODEL_SPIN_S`` ago
+#: (``note_model_step``): the notification's wake-up cost each decode step
+#: 0.4 to 3.8 ms on our CPU host (D's ITL 6.4 to 9.3 ms against 5.4 to 6.4
+#: for a plain engine, tiny model, one core). Off by default: a spinning
+#: reader stays runnable, and where engines share cores (the CI's two lanes
+#: on two cores) a spinning D is suspected of starving its P for 10 s in
+#: one CI run. Short naps instead of the spin did not help (D's ITL 8.1 to
+#: 8.3 ms). Longer than a step, so the reader waiting for a step's answer
+#: spins through it.
 MODEL_SPIN_S = 0.25
+#: Whether the quieted readers spin while the model runs (``quiet_shm_spin``).
+_spin_while_computing = [False]
 #: ``time.monotonic()`` of this process's last step that ran the model.
 _last_model_step = [-math.inf]
 
 
 def note_model_step(runs_model: bool) -> None:
     """The connector saw a step begin (``runs_model``: it computes tokens;
-    else an empty step, e.g. one that only moves KV). Called once per step
-    in the EngineCore and in each worker."""
+    else an empty step, e.g. one that only moves KV), or a step report a
+    finished load (``True``: the next step computes that request). Called
+    once per step in the EngineCore and in each worker."""
     if runs_model:
         _last_model_step[0] = time.monotonic()
 
 
-def quiet_shm_spin() -> int:
+def quiet_shm_spin(spin_while_computing: bool = False) -> int:
     """Stop this process's readers of vLLM's shared-memory message queues
     from spinning; returns how many readers were changed.
 
@@ -58,11 +65,10 @@ def quiet_shm_spin() -> int:
     engine's EngineCore: a push P with a finished prefill got 4 ms of CPU in
     7 s and its side channel stopped answering (issue 11's soak).
 
-    A quieted reader spins as vLLM's does only while its engine's steps run
-    the model (``MODEL_SPIN_S``): then the wake-up latency would cost every
-    decode step, and the engine's core is busy anyway. Otherwise (empty
-    steps, or idle) it sleeps in ``poll`` on the notification socket, but for
-    at most ``QUIET_POLL_MS`` at a time: the notifications alone are not
+    With ``spin_while_computing``, a quieted reader spins as vLLM's does
+    while its engine's steps run the model (``MODEL_SPIN_S``). Otherwise it
+    sleeps in ``poll`` on the notification socket, but for at most
+    ``QUIET_POLL_MS`` at a time: the notifications alone are not
     enough (with ``busy_loop_s = 0`` and nothing else, about one request in
     two stalled 5 s, until the reader's own timeout: a wake-up went
     missing, which vLLM's spin normally hides). The queue is checked again
@@ -75,6 +81,7 @@ def quiet_shm_spin() -> int:
 
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
+    _spin_while_computing[0] = spin_while_computing
     changed = 0
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which lazy
@@ -114,8 +121,8 @@ def quiet_new_shm_readers() -> bool:
 
 
 def _quiet(spin: Any) -> None:
-    """Make one reader's ``SpinCondition`` sleep instead of spinning, except
-    while the model runs (``MODEL_SPIN_S``)."""
+    """Make one reader's ``SpinCondition`` sleep on the notification instead
+    of spinning (with ``spin_while_computing``: except while the model runs)."""
     import zmq
     from vllm.distributed.device_communicators import shm_broadcast
 
@@ -123,8 +130,9 @@ def _quiet(spin: Any) -> None:
 
     def wait(timeout_ms: int | None = None, _spin: Any = spin) -> None:
         now = time.monotonic()
-        if now - _last_model_step[0] < MODEL_SPIN_S and now - _spin.last_read <= busy_s:
-            # vLLM's own yield (looked up per call: tests count it).
+        if (_spin_while_computing[0] and now - _last_model_step[0] < MODEL_SPIN_S
+                and now - _spin.last_read <= busy_s):
+            # vLLM's own yield (looked up per call: the tests count it).
             shm_broadcast.sched_yield()  # type: ignore[attr-defined,no-untyped-call]
             return
         active = now - _spin.last_read < QUIET_ACTIVE_S

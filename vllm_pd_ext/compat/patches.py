@@ -170,8 +170,11 @@ def _apply_quiet_shm_spin(ctx: Context) -> str:
         raise Skip("quiet_shm_spin is false")
     if not is_cpu_platform():
         raise Skip("not a CPU platform")
-    n = engine_patches.quiet_shm_spin()
-    return f"{n} shared-memory queue reader(s) wait on notifications instead of spinning"
+    spin = bool(ctx.cfg is not None and ctx.cfg.spin_while_computing)
+    n = engine_patches.quiet_shm_spin(spin_while_computing=spin)
+    return (f"{n} shared-memory queue reader(s) wait on notifications instead of spinning"
+            + (", except while the engine's steps compute (spin_while_computing)"
+               if spin else ""))
 
 
 def _apply_quiet_new_readers(ctx: Context) -> str:

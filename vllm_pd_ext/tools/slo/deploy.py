@@ -63,7 +63,10 @@ class Deployment:
                                    cpu_bind=core, **common)
                             for i, core in enumerate(self.cores)]
             return
-        mode = {"transfer_mode": self.transfer_mode}
+        # Every engine has a core of its own (taskset): P's and D's step-queue
+        # readers may spin while they compute, as the aggregated engines'
+        # (vLLM's own) do; quieted, each decode step waited for a wake-up.
+        mode = {"transfer_mode": self.transfer_mode, "spin_while_computing": True}
         p_tp, d_tp = self.tp
         p = Engine("p", self.model, logs, role="kv_producer", tp_size=p_tp,
                    cpu_bind=tp_bind(p_tp, self.cores[0], self.cores), extra_config=mode,
