@@ -27,14 +27,14 @@ p50 and its ratio to ``plain``'s.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import random
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+# One streamed request's TTFT and inter-token gaps (a sibling benchmark's).
+from bench_cached_first_step import stream
 
 from vllm_pd_ext.tools.launch import Engine
 
@@ -44,21 +44,6 @@ ARMS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "d-spin-computing": ("PDConnector", {"spin_while_computing": True}),
     "d-spin": ("PDConnector", {"quiet_shm_spin": False}),
 }
-
-
-def gaps(url: str, model: str, prompt: list[int], n: int) -> list[float]:
-    """Inter-token gaps (ms) of one streamed request."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    stamps: list[float] = []
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                stamps.append(time.perf_counter() - t0)
-    return [1000 * (b - a) for a, b in itertools.pairwise(stamps)]
 
 
 def run_arm(name: str, args: argparse.Namespace, model: str, out: Path) -> tuple[float, float]:
@@ -72,7 +57,7 @@ def run_arm(name: str, args: argparse.Namespace, model: str, out: Path) -> tuple
         measured: list[float] = []
         for i in range(args.skip + args.requests):
             prompt = [rng.randrange(10, 3000) for _ in range(args.prompt)]
-            got = gaps(engine.url, model, prompt, args.tokens)
+            _, got = stream(engine.url, model, prompt, args.tokens)
             if i >= args.skip:
                 measured.extend(got[1:])
             time.sleep(1.2)
