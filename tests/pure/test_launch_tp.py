@@ -35,3 +35,19 @@ def test_tp2_on_cpu_needs_one_core_set_per_rank(tmp_path: Path, bind: str | None
 def test_tp_size_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         Engine("p", "m", tmp_path, port=1, side_channel_port=2, tp_size=0)
+
+
+def test_a_new_process_keeps_the_previous_log_of_its_name(tmp_path) -> None:
+    """An engine or proxy started again under one name keeps the earlier
+    run's log (a failure's evidence) as ``<name>.<n>.log``."""
+    from vllm_pd_ext.tools.launch import keep_previous_log
+
+    log = tmp_path / "d-push.log"
+    assert keep_previous_log(log) is None
+    log.write_text("first run")
+    assert keep_previous_log(log) == tmp_path / "d-push.1.log"
+    log.write_text("second run")
+    assert keep_previous_log(log) == tmp_path / "d-push.2.log"
+    assert not log.exists()
+    assert (tmp_path / "d-push.1.log").read_text() == "first run"
+    assert (tmp_path / "d-push.2.log").read_text() == "second run"

@@ -23,6 +23,7 @@ Lifecycle of an ``Engine`` (a ``Proxy`` is the same, minus the drain):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -65,6 +66,21 @@ SAFE_ENV = {
     "DO_NOT_TRACK": "1",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
 }
+
+
+def keep_previous_log(path: Path) -> Path | None:
+    """Move an earlier process's log at ``path`` aside (``<stem>.1.log``,
+    ``.2``, ...: the first free name) before a new process of the same name
+    writes there; returns where it went. A later engine set reusing a name
+    in one log folder used to overwrite the log of a failure."""
+    if not path.exists():
+        return None
+    for n in itertools.count(1):
+        aside = path.with_name(f"{path.stem}.{n}{path.suffix}")
+        if not aside.exists():
+            path.replace(aside)
+            return aside
+    raise AssertionError("unreachable")
 
 
 def parse_tp_pair(text: str, max_tp: int = 2) -> tuple[int, int]:
@@ -210,6 +226,8 @@ class Engine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self.environment()
         # append=True (the soak's restart after a kill) keeps the crashed run's log.
+        if not append:
+            keep_previous_log(self.log_path)
         log = open(self.log_path, "ab" if append else "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
@@ -341,6 +359,7 @@ class Proxy:
             # Tests and benchmarks measure handoffs: every request disaggregated
             # unless one asks for the proxy's conditional default.
             cmd += ["--local-prefill-threshold", "0"]
+        keep_previous_log(self.log_path)
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **self.env})
