@@ -78,7 +78,7 @@ class PDConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta = self.scheduler.build_connector_meta(scheduler_output)
-        # While steps run the model, vLLM's queue readers here spin (latency).
+        # With spin_while_computing, vLLM's queue readers spin while steps compute.
         note_model_step(not meta.idle)
         return meta
 
