@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -83,7 +85,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=1.5,
                    help="seconds of quiet after each request (over 1 s: see the code)")
     p.add_argument("--out-dir", default=".runs/idle-ab")
+    p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
+                   help="leave the client and the proxies where the OS puts them (by "
+                        "default they run on the core that does not compute the arm's "
+                        "token #2: see pin_client)")
     return p.parse_args()
+
+
+def client_core(name: str, cores: tuple[str, ...]) -> int:
+    """Where the benchmark client runs for arm ``name``: on the core that does
+    not compute the arm's tokens. Aggregated computes on ``cores[0]``; P and D
+    on ``cores[0]`` and ``cores[1]``, and D computes token #2 while token #1
+    goes through the proxy to the client, so those two run beside P, which is
+    idle by then. Left unpinned, the OS put them on D's core often enough to
+    slow D's first step by 1 to 3 ms (issue 29's gap), and on aggregated's core
+    during its step 2; on a GPU host neither shares a core with the model."""
+    return int(cores[1] if name == "aggregated" else cores[0])
+
+
+def pin_process(pid: int, core: int) -> None:
+    """Every thread of ``pid`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), {core})
 
 
 def arms(dep: Deployment, agg: Engine, seq: Proxy | None) -> dict[str, str]:
@@ -106,7 +130,10 @@ def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[
 
 
 async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
-                     pause: float, d: Engine) -> dict[str, list[RequestResult]]:
+                     pause: float, d: Engine, cores: tuple[str, ...] | None
+                     ) -> dict[str, list[RequestResult]]:
+    """One request at a time, every arm in turn; ``cores``: pin this
+    process per arm (``client_core``), else leave it where it is."""
     names = list(urls)
     out: dict[str, list[RequestResult]] = {n: [] for n in names}
     rounds = len(trace) // len(names)
@@ -114,6 +141,8 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
         order = names[r % len(names):] + names[:r % len(names)]
         for k, name in enumerate(order):
             req = trace[r * len(names) + k]
+            if cores is not None:
+                os.sched_setaffinity(0, {client_core(name, cores)})
             at = time.time()
             before = d.metrics().get(PREFILL_SUM, 0.0) if name != "aggregated" else 0.0
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
@@ -133,17 +162,27 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
 
 
 def gap_table(results: dict[str, list[RequestResult]]) -> list[str]:
+    """Where each disaggregated arm's gap #1 -> #2 goes, beside the same
+    gap of the aggregated engine (its first inter-token gap: step 2 right
+    after the prefill, no handoff), measured in the same rounds."""
     lines = ["| arm | gap #1 -> #2 | D's first step (engine) | D's decode step | "
-             "gap - D's first step |", "|---|---:|---:|---:|---:|"]
+             "gap - D's first step | aggregated's gap #1 -> #2 | gap / aggregated's, "
+             "paired p50 |", "|---|---:|---:|---:|---:|---:|---:|"]
+    agg = [r for r in results.get("aggregated", []) if not r.warmup]
+    agg_gap = percentile([1000 * r.itl_s[0] for r in agg if r.ok and r.itl_s], 50)
     for name, rs in results.items():
         if name == "aggregated" or name not in D_FIRST_STEP:
             continue
-        ok = [r for r in rs if not r.warmup and r.ok and len(r.itl_s) > 1]
+        measured = [r for r in rs if not r.warmup]
+        ok = [r for r in measured if r.ok and len(r.itl_s) > 1]
         gap = percentile([1000 * r.itl_s[0] for r in ok], 50)
         step = percentile([1000 * statistics.median(r.itl_s[1:]) for r in ok], 50)
         first = percentile(D_FIRST_STEP[name], 50)
         rest = gap - first if gap is not None and first is not None else None
-        lines.append(f"| {name} | {fmt(gap)} | {fmt(first)} | {fmt(step)} | {fmt(rest)} |")
+        paired = percentile([d.itl_s[0] / a.itl_s[0] for d, a in zip(measured, agg, strict=True)
+                             if d.ok and a.ok and d.itl_s and a.itl_s and a.itl_s[0] > 0], 50)
+        lines.append(f"| {name} | {fmt(gap)} | {fmt(first)} | {fmt(step)} | {fmt(rest)} "
+                     f"| {fmt(agg_gap)} | {fmt(paired, 2)} |")
     return lines
 
 
@@ -209,10 +248,15 @@ def main() -> None:
                 "--transfer-mode", "push", "--transfer-telemetry", "--no-concurrent-dispatch",
                 "--queue-timeout", "3600"]).start().wait_ready(60)
         urls = arms(dep, agg, seq)
+        if args.pin_client:
+            for proxy in (dep.proxy, seq):
+                if proxy is not None and proxy.proc is not None:
+                    pin_process(proxy.proc.pid, client_core(dep.transfer_mode, dep.cores))
         print(f"engines up in {time.monotonic() - started:.0f} s; arms: {', '.join(urls)}",
               flush=True)
         trace = prompts(args, list(urls), tokenizer)
-        results = asyncio.run(interleave(urls, model, trace, args.pause, dep.engines[1]))
+        results = asyncio.run(interleave(urls, model, trace, args.pause, dep.engines[1],
+                                         dep.cores if args.pin_client else None))
     finally:
         if seq is not None:
             seq.stop()

@@ -58,6 +58,14 @@ logger = get_logger(__name__)
 
 #: How often the push thread looks for idle agents, at most.
 REAP_EVERY_S = 1.0
+#: The push thread's pause between progress rounds while WRITEs are in
+#: flight. On one host UCX copies and sends the notification only when the
+#: initiator progresses: at one round per millisecond (the socket poll's
+#: floor) D saw a 786 KB WRITE's notification 2.3 ms p50 after the post, at
+#: this pace 1.7 ms, and D's first step began that much earlier (the gap
+#: between token #1 and #2: docs/slo.md). It costs CPU only while a WRITE
+#: is in flight.
+INFLIGHT_PACE_S = 1e-4
 
 
 @dataclass
@@ -101,8 +109,10 @@ class Pusher:
                  transfer_timeout_s: float, notify_timeout_s: float,
                  on_write: Callable[[int, int, int, float], None] | None = None,
                  peer_idle_ttl_s: float = PEER_IDLE_TTL_S,
-                 auth: FrameAuth | None = None, kernel_blocks: int = 1) -> None:
+                 auth: FrameAuth | None = None, kernel_blocks: int = 1,
+                 inflight_pace_s: float = INFLIGHT_PACE_S) -> None:
         self.engine_id = engine_id
+        self.inflight_pace_s = inflight_pace_s
         self.tp_rank = tp_rank
         self.transport = transport
         self.regions = regions
@@ -137,8 +147,10 @@ class Pusher:
                 time.sleep(0.1)  # no hot loop on a persistent error
 
     def _step(self, poller: zmq.Poller) -> None:
-        # Poll the socket briefly while WRITEs are in flight, else idle.
-        if poller.poll(1 if self._inflight else 200):
+        # While WRITEs are in flight this thread is their progress engine:
+        # look at the socket without blocking (its timeout's floor is 1 ms)
+        # and pause INFLIGHT_PACE_S after the progress round instead.
+        if poller.poll(0 if self._inflight else 200):
             try:
                 order = proto.decode_order(self._sock.recv(zmq.NOBLOCK))
             except zmq.ZMQError:
@@ -156,6 +168,8 @@ class Pusher:
                                      "its blocks stay pinned", order.pd_request_id)
         if self._inflight:
             self._progress()
+            if self._inflight:
+                time.sleep(self.inflight_pace_s)
         self._reap(time.monotonic())
 
     def _start(self, order: proto.WriteOrder) -> None:
