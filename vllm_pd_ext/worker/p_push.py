@@ -58,14 +58,17 @@ logger = get_logger(__name__)
 
 #: How often the push thread looks for idle agents, at most.
 REAP_EVERY_S = 1.0
-#: The push thread's pause between progress rounds while WRITEs are in
-#: flight. On one host UCX copies and sends the notification only when the
-#: initiator progresses: at one round per millisecond (the socket poll's
-#: floor) D saw a 786 KB WRITE's notification 2.3 ms p50 after the post, at
-#: this pace 1.7 ms, and D's first step began that much earlier (the gap
-#: between token #1 and #2: docs/slo.md). It costs CPU only while a WRITE
-#: is in flight.
+#: The push thread's pause between progress rounds while a young WRITE is
+#: in flight. On one host UCX copies and sends the notification only when
+#: the initiator progresses: at one round per millisecond (the socket
+#: poll's floor) P's 786 KB WRITE ended 1.6 ms p50 after the post and D had
+#: its notification after 2.3 ms; at this pace 1.0 to 1.1 and 1.9 ms
+#: (docs/slo.md, "The gap, third step").
 INFLIGHT_PACE_S = 1e-4
+#: A WRITE in flight longer than this is large or stuck (a dead D, until
+#: ``transfer_timeout``): it is progressed once per millisecond, as before,
+#: so that one dead peer does not keep P's core busy.
+FAST_PROGRESS_S = 0.1
 
 
 @dataclass
@@ -110,9 +113,9 @@ class Pusher:
                  on_write: Callable[[int, int, int, float], None] | None = None,
                  peer_idle_ttl_s: float = PEER_IDLE_TTL_S,
                  auth: FrameAuth | None = None, kernel_blocks: int = 1,
-                 inflight_pace_s: float = INFLIGHT_PACE_S) -> None:
+                 fast_progress_s: float = FAST_PROGRESS_S) -> None:
         self.engine_id = engine_id
-        self.inflight_pace_s = inflight_pace_s
+        self.fast_progress_s = fast_progress_s
         self.tp_rank = tp_rank
         self.transport = transport
         self.regions = regions
@@ -147,10 +150,12 @@ class Pusher:
                 time.sleep(0.1)  # no hot loop on a persistent error
 
     def _step(self, poller: zmq.Poller) -> None:
-        # While WRITEs are in flight this thread is their progress engine:
-        # look at the socket without blocking (its timeout's floor is 1 ms)
-        # and pause INFLIGHT_PACE_S after the progress round instead.
-        if poller.poll(0 if self._inflight else 200):
+        # While WRITEs are in flight this thread is their progress engine.
+        # For a young one, look at the socket without blocking (its
+        # timeout's floor is 1 ms) and pause INFLIGHT_PACE_S after the
+        # progress round instead; older ones get a round per millisecond.
+        young = self._young(time.monotonic())
+        if poller.poll(0 if young else 1 if self._inflight else 200):
             try:
                 order = proto.decode_order(self._sock.recv(zmq.NOBLOCK))
             except zmq.ZMQError:
@@ -168,9 +173,12 @@ class Pusher:
                                      "its blocks stay pinned", order.pd_request_id)
         if self._inflight:
             self._progress()
-            if self._inflight:
-                time.sleep(self.inflight_pace_s)
+            if self._young(time.monotonic()):
+                time.sleep(INFLIGHT_PACE_S)
         self._reap(time.monotonic())
+
+    def _young(self, now: float) -> bool:
+        return any(now - w.posted < self.fast_progress_s for w in self._inflight)
 
     def _start(self, order: proto.WriteOrder) -> None:
         if time.monotonic() >= order.post_before:
