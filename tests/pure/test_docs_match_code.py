@@ -236,6 +236,7 @@ UPSTREAM_PATHS = {
     "examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py",
     "vllm/v1/worker/gpu/kv_connector.py",
     "kv_connector_model_runner_mixin.py",
+    "vllm/v1/attention/backends/cpu_attn.py",
 }
 
 
