@@ -69,6 +69,10 @@ STAMPS: list[tuple[str, float, float | None]] = []
 #: first output: token #2 when token #1 came from P), ms, per arm.
 D_FIRST_STEP: dict[str, list[float]] = {}
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
+#: Push: D legs whose load D's scheduler saw land before its workers'
+#: report (``same_step_landing``), per arm, of the measured ones.
+D_LANDED: dict[str, list[bool]] = {}
+LANDED = "vllm:pd_ext_landed_before_step_total"
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +89,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=1.5,
                    help="seconds of quiet after each request (over 1 s: see the code)")
     p.add_argument("--out-dir", default=".runs/idle-ab")
+    p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_false",
+                   help="push: D leaves every load to its workers' report (the behaviour "
+                        "before same_step_landing), for a before/after run")
     p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
                    help="leave the client and the proxies where the OS puts them (by "
                         "default they run on the core that does not compute the arm's "
@@ -144,13 +151,16 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
             if cores is not None:
                 os.sched_setaffinity(0, {client_core(name, cores)})
             at = time.time()
-            before = d.metrics().get(PREFILL_SUM, 0.0) if name != "aggregated" else 0.0
+            seen = d.metrics() if name != "aggregated" else {}
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
                                      progress=False)
             out[name].append(got[0])
             if name != "aggregated" and not req.warmup:
+                now = d.metrics()
                 D_FIRST_STEP.setdefault(name, []).append(
-                    1000 * (d.metrics().get(PREFILL_SUM, 0.0) - before))
+                    1000 * (now.get(PREFILL_SUM, 0.0) - seen.get(PREFILL_SUM, 0.0)))
+                D_LANDED.setdefault(name, []).append(
+                    now.get(LANDED, 0.0) > seen.get(LANDED, 0.0))
             STAMPS.append((name, at, got[0].ttft_s))
             if not got[0].ok:
                 print(f"  {name} round {r}: {got[0].error}", flush=True)
@@ -232,7 +242,8 @@ def main() -> None:
     out = Path(args.out_dir) / f"{Path(args.model).name}-{args.length}-{args.transfer_mode}"
     model = str(Path(args.model).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model)
-    dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode)
+    dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode,
+                     d_extra={} if args.same_step_landing else {"same_step_landing": False})
     agg = Engine("agg", model, out / "logs" / "aggregated", connector=None, role=None,
                  cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
                  max_model_len=dep.max_model_len, taskset=True)
@@ -265,7 +276,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_bytes(msgspec.json.encode(
         {"config": vars(args), "results": results, "stamps": STAMPS,
-         "d_first_step_ms": D_FIRST_STEP}))
+         "d_first_step_ms": D_FIRST_STEP, "d_landed_before_step": D_LANDED}))
     print(f"\n{Path(args.model).name}, {args.length} tokens, {args.transfer_mode}, "
           f"{args.rounds} rounds after {args.warmup} warm-up, one request at a time "
           f"({json.dumps(str(out / 'result.json'))}):\n")
@@ -275,6 +286,9 @@ def main() -> None:
           "leaving its engine core); the rest is the KV's arrival after P's answer, "
           "D's output path against P's, and the host\n")
     print("\n".join(gap_table(results)))
+    for name, landed in D_LANDED.items():
+        print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
+              "before its workers' report (same_step_landing)")
 
 
 if __name__ == "__main__":

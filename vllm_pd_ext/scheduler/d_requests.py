@@ -129,6 +129,10 @@ class StepOut:
     push: list[PushRecvSpec] = field(default_factory=list)
     fail: dict[str, tuple[str, str]] = field(default_factory=dict)
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.recv or self.push or self.fail)
+
 
 def tp_size_problem(p_tp: int, d_tp: int) -> str:
     """Why a P answer from an engine with TP size ``p_tp`` cannot load
@@ -354,6 +358,24 @@ class DRequests:
         except RuntimeError as exc:
             return str(exc)
         return None
+
+    def land_seen(self, rid: str, seed: int, vocab_size: int) -> bool:
+        """The scheduler saw ``rid``'s push land on every rank
+        (``d_landing.LandingView``): end its load here as the workers'
+        report would, with P's token #1 appended. False (nothing changed)
+        where the report must decide: not a load in flight, or token #1
+        missing or out of range (the report then fails the request)."""
+        d = self._reqs.get(rid)
+        if d is None or d.state is not LoadState.LOADING or d.leader:
+            return False
+        if d.seed_pending:
+            if seed < 0 or (vocab_size and seed >= vocab_size):
+                return False
+            d.seed = seed
+            if self.seed_problem(rid, False, vocab_size) is not None:
+                return False
+        self.reported(rid)
+        return True
 
     def reported(self, rid: str) -> None:
         """The workers reported ``rid``'s load (done or failed)."""

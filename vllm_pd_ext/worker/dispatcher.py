@@ -134,7 +134,7 @@ class PDWorker:
         target = target or self.cfg.bidirectional_kv_xfer
         if push and kv_cfg.is_kv_consumer and self.cfg.push_idle_wait_ms > 0:
             # Ends D's scheduler's idle wait the moment a WRITE's notification lands.
-            self.waker = Waker()
+            self.waker = Waker(self.tp_rank)
         if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
             # The scheduler half rings it when a peer starts working with us.
