@@ -33,6 +33,11 @@ round's disaggregated TTFT over the same round's aggregated one, p50.
 
     python benchmarks/bench_idle_ab.py --transfer-mode push --length 300 --rounds 30
     python benchmarks/bench_idle_ab.py --transfer-mode pull --length 128 --rounds 30
+    python benchmarks/bench_idle_ab.py --transfer-mode push --ab-landing --rounds 30
+
+``--ab-landing`` replaces push-seq with ``push-no-landing``: a second D on
+D's core with ``same_step_landing: false``, behind its own proxy, so the
+two D's are compared request by request in one run.
 
 Engines and proxies are started and ended by PID; logs and a JSON of every
 request stay under ``--out-dir``.
@@ -89,6 +94,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=1.5,
                    help="seconds of quiet after each request (over 1 s: see the code)")
     p.add_argument("--out-dir", default=".runs/idle-ab")
+    p.add_argument("--ab-landing", action="store_true",
+                   help="push: instead of push-seq, a second D (same core as D, "
+                        "same_step_landing false) behind its own proxy: the arm "
+                        "push-no-landing, interleaved with push request by request")
     p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_false",
                    help="push: D leaves every load to its workers' report (the behaviour "
                         "before same_step_landing), for a before/after run")
@@ -117,11 +126,11 @@ def pin_process(pid: int, core: int) -> None:
             os.sched_setaffinity(int(tid), {core})
 
 
-def arms(dep: Deployment, agg: Engine, seq: Proxy | None) -> dict[str, str]:
+def arms(dep: Deployment, agg: Engine, seq: Proxy | None, seq_name: str) -> dict[str, str]:
     assert dep.proxy is not None
     out = {"aggregated": agg.url, dep.transfer_mode: dep.proxy.url}
     if seq is not None:
-        out["push-seq"] = seq.url
+        out[seq_name] = seq.url
     return out
 
 
@@ -137,10 +146,11 @@ def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[
 
 
 async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
-                     pause: float, d: Engine, cores: tuple[str, ...] | None
+                     pause: float, ds: dict[str, Engine], cores: tuple[str, ...] | None
                      ) -> dict[str, list[RequestResult]]:
-    """One request at a time, every arm in turn; ``cores``: pin this
-    process per arm (``client_core``), else leave it where it is."""
+    """One request at a time, every arm in turn; ``ds``: each disaggregated
+    arm's D; ``cores``: pin this process per arm (``client_core``), else
+    leave it where it is."""
     names = list(urls)
     out: dict[str, list[RequestResult]] = {n: [] for n in names}
     rounds = len(trace) // len(names)
@@ -151,11 +161,12 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
             if cores is not None:
                 os.sched_setaffinity(0, {client_core(name, cores)})
             at = time.time()
-            seen = d.metrics() if name != "aggregated" else {}
+            d = ds.get(name)
+            seen = d.metrics() if d is not None else {}
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
                                      progress=False)
             out[name].append(got[0])
-            if name != "aggregated" and not req.warmup:
+            if d is not None and not req.warmup:
                 now = d.metrics()
                 D_FIRST_STEP.setdefault(name, []).append(
                     1000 * (now.get(PREFILL_SUM, 0.0) - seen.get(PREFILL_SUM, 0.0)))
@@ -248,17 +259,33 @@ def main() -> None:
                  cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
                  max_model_len=dep.max_model_len, taskset=True)
     seq: Proxy | None = None
+    d2: Engine | None = None
     started = time.monotonic()
     try:
         agg.start()
         dep.start()
+        p, d = dep.engines
+        if args.ab_landing:
+            # The same D (its extra config, its core), but for the landing.
+            d2 = Engine("d-no-landing", model, out / "logs" / "push-no-landing",
+                        role="kv_consumer", cpu_bind=d.cpu_bind, kv_bytes=dep.kv_bytes,
+                        max_model_len=dep.max_model_len, taskset=True,
+                        extra_config={**d.extra_config, "same_step_landing": False})
+            d2.start()
         agg.wait_ready(timeout=900)
-        if args.transfer_mode == "push":
-            p, d = dep.engines
+        ds = {dep.transfer_mode: d}
+        if args.transfer_mode == "push" and d2 is not None:
+            d2.wait_ready(timeout=900)
+            seq = Proxy([p.url], [d2.url], out / "logs" / "push-no-landing", args=[
+                "--transfer-mode", "push", "--transfer-telemetry", "--queue-timeout",
+                "3600", "--local-prefill-threshold", "0"]).start().wait_ready(60)
+            ds["push-no-landing"] = d2
+        elif args.transfer_mode == "push":
             seq = Proxy([p.url], [d.url], out / "logs" / "push-seq", args=[
                 "--transfer-mode", "push", "--transfer-telemetry", "--no-concurrent-dispatch",
                 "--queue-timeout", "3600"]).start().wait_ready(60)
-        urls = arms(dep, agg, seq)
+            ds["push-seq"] = d
+        urls = arms(dep, agg, seq, "push-no-landing" if d2 is not None else "push-seq")
         if args.pin_client:
             for proxy in (dep.proxy, seq):
                 if proxy is not None and proxy.proc is not None:
@@ -266,11 +293,13 @@ def main() -> None:
         print(f"engines up in {time.monotonic() - started:.0f} s; arms: {', '.join(urls)}",
               flush=True)
         trace = prompts(args, list(urls), tokenizer)
-        results = asyncio.run(interleave(urls, model, trace, args.pause, dep.engines[1],
+        results = asyncio.run(interleave(urls, model, trace, args.pause, ds,
                                          dep.cores if args.pin_client else None))
     finally:
         if seq is not None:
             seq.stop()
+        if d2 is not None:
+            d2.stop()
         dep.stop()
         agg.stop()
     out.mkdir(parents=True, exist_ok=True)
