@@ -82,3 +82,18 @@ def test_a_rank_this_engine_does_not_have_is_counted_and_ignored() -> None:
     view.feed(3, [push_notif("pd-1", "tok", seed=1)])
     view.feed(-1, [push_notif("pd-1", "tok", seed=1)])
     assert view.collect(now=0.1) == [] and view.num_bad_rank == 2
+
+
+def test_a_late_copy_of_a_forgotten_push_is_dropped_soon_and_silently(caplog) -> None:
+    """The workers' report usually ends a push before its forwarded copy is
+    read: that copy is no anomaly (no warning), and is not kept for long."""
+    from vllm_pd_ext.scheduler.d_landing import LATE_COPY_TTL_S
+
+    view = LandingView(tp_size=1)
+    view.expect(spec(), now=0.0)
+    view.forget("r1")
+    view.feed(0, [push_notif("pd-1", "tok", seed=1)])
+    assert view.collect(now=0.1) == []
+    assert view.collect(now=0.2 + LATE_COPY_TTL_S) == []
+    assert view._ranks[0]._early == {}
+    assert not [r for r in caplog.records if "unknown push" in r.message]

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from vllm_pd_ext.wire.specs import PushRecvSpec
 from vllm_pd_ext.worker.d_push import PushReceiver
 
+#: Seconds a forwarded notification without a spec is kept in the view.
+LATE_COPY_TTL_S = 5.0
+
 
 class _Inbox:
     """A ``PushReceiver``'s transport: only ``take_notifs`` is called."""
@@ -60,7 +63,10 @@ class LandingView:
     def __init__(self, tp_size: int) -> None:
         self.tp_size = tp_size
         self._inboxes = [_Inbox() for _ in range(tp_size)]
-        self._ranks = [PushReceiver(inbox) for inbox in self._inboxes]  # type: ignore[arg-type]
+        # Most copies the view never matches are late ones, of pushes the
+        # workers' report already ended here: dropped soon, and silently.
+        self._ranks = [PushReceiver(inbox, early_ttl_s=LATE_COPY_TTL_S,  # type: ignore[arg-type]
+                                    warn_unknown=False) for inbox in self._inboxes]
         #: request id -> {rank: (seed, wait_s)} of ranks that saw it land.
         self._partial: dict[str, dict[int, tuple[int, float]]] = {}
         #: Forwarded notifications from a rank this engine does not have.

@@ -117,6 +117,9 @@ class DRequest(Load):
     seed_pending: bool = False
     #: The token #1 P's notification carried (-1: none yet).
     seed: int = -1
+    #: When the scheduler saw its push land (``land_seen``; monotonic), before
+    #: the workers' record of it came: its telemetry's ``kv_ready_ms`` ends there.
+    landed_at: float = 0.0
     #: vLLM's request (``seed_pending`` only: the seed is appended to it).
     request: Any = None
 
@@ -374,6 +377,7 @@ class DRequests:
             d.seed = seed
             if self.seed_problem(rid, False, vocab_size) is not None:
                 return False
+        d.landed_at = time.monotonic()
         self.reported(rid)
         return True
 
@@ -399,7 +403,8 @@ class DRequests:
                 rec = telemetry.merge(d.transfer, rec)
             if d is not None and d.params is not None:
                 params = d.params
-                fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
+                fill: dict[str, Any] = {
+                    "kv_ready_ms": telemetry.ms((d.landed_at or now) - d.arrived)}
                 if d.dispatched:
                     fill["sched_ms"] = telemetry.ms(d.dispatched - d.arrived)
                 if d.api_s is not None:
