@@ -51,8 +51,9 @@ class PDConfig:
     #: Push, D (needs ``push_idle_wait_ms`` > 0): the scheduler sees a push
     #: land from the notifications its workers forward and schedules the
     #: request in that very step, before the workers' report (a patch of
-    #: ``Scheduler.schedule``; issue 29).
-    same_step_landing: bool = True
+    #: ``Scheduler.schedule``; issue 29). Off by default: on our CPU hosts
+    #: it did not shorten the gap between token #1 and token #2 (docs/slo.md).
+    same_step_landing: bool = False
     #: Pull, D: the longest one engine step that computes nothing waits for
     #: the loads in flight, so one that ends is reported in that step; 0 disables.
     pull_report_wait_ms: float = 2.0

@@ -69,7 +69,10 @@ def push(model: str) -> Iterator[dict[str, Any]]:
                     failure_policy="fail", extra_args=SERVE_ARGS,
                     extra_config={"transfer_mode": "push", "push_timeout": D_PUSH_TIMEOUT_S,
                                   "handshake_timeout": D_SIDE_CHANNEL_TIMEOUT_S,
-                                  "transfer_timeout": D_TRANSFER_TIMEOUT_S}),
+                                  "transfer_timeout": D_TRANSFER_TIMEOUT_S,
+                                  # Opt-in: every push test here runs D's
+                                  # landing path (d_recompute the default).
+                                  "same_step_landing": True}),
         "d_recompute": Engine("d-push-recompute", model, logs, role="kv_consumer",
                               cpu_bind="1", failure_policy="recompute",
                               extra_config={"transfer_mode": "push"}),

@@ -47,7 +47,7 @@ class Landing:
 
     def __init__(self, mode: str, max_tokens: int = 3, telemetry_in_answer: bool = False
                  ) -> None:
-        self.pair = Pair(mode)
+        self.pair = Pair(mode, d_extra={"same_step_landing": True})
         d = pd(self.pair.d)
         assert d.landing is not None, "the same_step_landing patch did not turn the view on"
         d.d._telemetry_in_answer = telemetry_in_answer
@@ -126,6 +126,15 @@ def test_the_request_runs_in_the_step_its_landing_is_seen(mode: str) -> None:
         assert_scheduler_empty(t.pair.p)
     finally:
         t.close()
+
+
+def test_off_by_default() -> None:
+    """``same_step_landing`` is opt-in: a push D without it has no view."""
+    pair = Pair("sync")
+    try:
+        assert pd(pair.d).landing is None
+    finally:
+        pair.close()
 
 
 def test_without_a_forward_the_request_waits_for_the_workers_report(mode: str) -> None:
