@@ -86,6 +86,14 @@ class Landing:
         return {"finished_recving": {rid},
                 "worker_meta": PDWorkerMetadata([record], {rid: P_TOKEN})}
 
+    def run_to_end(self) -> None:
+        """Step D until the request ended (and, async, nothing is in flight)."""
+        for _ in range(6):
+            if self.req.is_finished():
+                break
+            step(self.pair.d)
+        drain(self.pair.d)
+
     def close(self) -> None:
         self.waker.close()
         self.pair.close()
@@ -111,11 +119,7 @@ def test_the_request_runs_in_the_step_its_landing_is_seen(mode: str) -> None:
         assert out.num_scheduled_tokens.get(rid) == 1, out.num_scheduled_tokens
         assert list(t.req.prompt_token_ids) == [*same_prompt(N), P_TOKEN]
         assert landed_count(t.pair.d) == 1
-        for _ in range(6):
-            if t.req.is_finished():
-                break
-            step(t.pair.d)
-        drain(t.pair.d)
+        t.run_to_end()
         assert t.req.status is RequestStatus.FINISHED_LENGTH_CAPPED
         assert len(t.req.output_token_ids) == t.req.max_tokens
         # The workers' report was taken out of its step: nothing left to strip.
@@ -147,11 +151,7 @@ def test_without_a_forward_the_request_waits_for_the_workers_report(mode: str) -
         out, _ = step(t.pair.d)
         assert out.num_scheduled_tokens.get(rid) == 1
         assert landed_count(t.pair.d) == 0
-        for _ in range(6):
-            if t.req.is_finished():
-                break
-            step(t.pair.d)
-        drain(t.pair.d)
+        t.run_to_end()
         assert t.req.status is RequestStatus.FINISHED_LENGTH_CAPPED
         step(t.pair.d)
         assert_scheduler_empty(t.pair.d)
@@ -179,11 +179,7 @@ def test_a_forward_the_worker_would_not_accept_promotes_nothing(mode: str, bad: 
         if bad == "no_seed":
             report["worker_meta"] = PDWorkerMetadata()
         step(t.pair.d, **report)
-        for _ in range(6):
-            if t.req.is_finished():
-                break
-            step(t.pair.d)
-        drain(t.pair.d)
+        t.run_to_end()
         expected = (RequestStatus.FINISHED_LENGTH_CAPPED if bad == "foreign_token"
                     else RequestStatus.FINISHED_ERROR)
         assert t.req.status is expected
