@@ -33,6 +33,11 @@ round's disaggregated TTFT over the same round's aggregated one, p50.
 
     python benchmarks/bench_idle_ab.py --transfer-mode push --length 300 --rounds 30
     python benchmarks/bench_idle_ab.py --transfer-mode pull --length 128 --rounds 30
+    python benchmarks/bench_idle_ab.py --transfer-mode push --ab-landing --rounds 30
+
+``--ab-landing`` replaces push-seq with ``push-no-landing``: a second D on
+D's core with ``same_step_landing: false``, behind its own proxy, so the
+two D's are compared request by request in one run.
 
 Engines and proxies are started and ended by PID; logs and a JSON of every
 request stay under ``--out-dir``.
@@ -69,6 +74,10 @@ STAMPS: list[tuple[str, float, float | None]] = []
 #: first output: token #2 when token #1 came from P), ms, per arm.
 D_FIRST_STEP: dict[str, list[float]] = {}
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
+#: Push: D legs whose load D's scheduler saw land before its workers'
+#: report (``same_step_landing``), per arm, of the measured ones.
+D_LANDED: dict[str, list[bool]] = {}
+LANDED = "vllm:pd_ext_landed_before_step_total"
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,6 +94,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pause", type=float, default=1.5,
                    help="seconds of quiet after each request (over 1 s: see the code)")
     p.add_argument("--out-dir", default=".runs/idle-ab")
+    p.add_argument("--ab-landing", action="store_true",
+                   help="push: instead of push-seq, a second D (same core as D, "
+                        "same_step_landing false) behind its own proxy: the arm "
+                        "push-no-landing, interleaved with push request by request")
+    p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_false",
+                   help="push: D leaves every load to its workers' report (the behaviour "
+                        "before same_step_landing), for a before/after run")
     p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
                    help="leave the client and the proxies where the OS puts them (by "
                         "default they run on the core that does not compute the arm's "
@@ -110,11 +126,11 @@ def pin_process(pid: int, core: int) -> None:
             os.sched_setaffinity(int(tid), {core})
 
 
-def arms(dep: Deployment, agg: Engine, seq: Proxy | None) -> dict[str, str]:
+def arms(dep: Deployment, agg: Engine, seq: Proxy | None, seq_name: str) -> dict[str, str]:
     assert dep.proxy is not None
     out = {"aggregated": agg.url, dep.transfer_mode: dep.proxy.url}
     if seq is not None:
-        out["push-seq"] = seq.url
+        out[seq_name] = seq.url
     return out
 
 
@@ -130,10 +146,11 @@ def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[
 
 
 async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
-                     pause: float, d: Engine, cores: tuple[str, ...] | None
+                     pause: float, ds: dict[str, Engine], cores: tuple[str, ...] | None
                      ) -> dict[str, list[RequestResult]]:
-    """One request at a time, every arm in turn; ``cores``: pin this
-    process per arm (``client_core``), else leave it where it is."""
+    """One request at a time, every arm in turn; ``ds``: each disaggregated
+    arm's D; ``cores``: pin this process per arm (``client_core``), else
+    leave it where it is."""
     names = list(urls)
     out: dict[str, list[RequestResult]] = {n: [] for n in names}
     rounds = len(trace) // len(names)
@@ -144,13 +161,17 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
             if cores is not None:
                 os.sched_setaffinity(0, {client_core(name, cores)})
             at = time.time()
-            before = d.metrics().get(PREFILL_SUM, 0.0) if name != "aggregated" else 0.0
+            d = ds.get(name)
+            seen = d.metrics() if d is not None else {}
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
                                      progress=False)
             out[name].append(got[0])
-            if name != "aggregated" and not req.warmup:
+            if d is not None and not req.warmup:
+                now = d.metrics()
                 D_FIRST_STEP.setdefault(name, []).append(
-                    1000 * (d.metrics().get(PREFILL_SUM, 0.0) - before))
+                    1000 * (now.get(PREFILL_SUM, 0.0) - seen.get(PREFILL_SUM, 0.0)))
+                D_LANDED.setdefault(name, []).append(
+                    now.get(LANDED, 0.0) > seen.get(LANDED, 0.0))
             STAMPS.append((name, at, got[0].ttft_s))
             if not got[0].ok:
                 print(f"  {name} round {r}: {got[0].error}", flush=True)
@@ -232,22 +253,39 @@ def main() -> None:
     out = Path(args.out_dir) / f"{Path(args.model).name}-{args.length}-{args.transfer_mode}"
     model = str(Path(args.model).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model)
-    dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode)
+    dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode,
+                     d_extra={} if args.same_step_landing else {"same_step_landing": False})
     agg = Engine("agg", model, out / "logs" / "aggregated", connector=None, role=None,
                  cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
                  max_model_len=dep.max_model_len, taskset=True)
     seq: Proxy | None = None
+    d2: Engine | None = None
     started = time.monotonic()
     try:
         agg.start()
         dep.start()
+        p, d = dep.engines
+        if args.ab_landing:
+            # The same D (its extra config, its core), but for the landing.
+            d2 = Engine("d-no-landing", model, out / "logs" / "push-no-landing",
+                        role="kv_consumer", cpu_bind=d.cpu_bind, kv_bytes=dep.kv_bytes,
+                        max_model_len=dep.max_model_len, taskset=True,
+                        extra_config={**d.extra_config, "same_step_landing": False})
+            d2.start()
         agg.wait_ready(timeout=900)
-        if args.transfer_mode == "push":
-            p, d = dep.engines
+        ds = {dep.transfer_mode: d}
+        if args.transfer_mode == "push" and d2 is not None:
+            d2.wait_ready(timeout=900)
+            seq = Proxy([p.url], [d2.url], out / "logs" / "push-no-landing", args=[
+                "--transfer-mode", "push", "--transfer-telemetry", "--queue-timeout",
+                "3600", "--local-prefill-threshold", "0"]).start().wait_ready(60)
+            ds["push-no-landing"] = d2
+        elif args.transfer_mode == "push":
             seq = Proxy([p.url], [d.url], out / "logs" / "push-seq", args=[
                 "--transfer-mode", "push", "--transfer-telemetry", "--no-concurrent-dispatch",
                 "--queue-timeout", "3600"]).start().wait_ready(60)
-        urls = arms(dep, agg, seq)
+            ds["push-seq"] = d
+        urls = arms(dep, agg, seq, "push-no-landing" if d2 is not None else "push-seq")
         if args.pin_client:
             for proxy in (dep.proxy, seq):
                 if proxy is not None and proxy.proc is not None:
@@ -255,17 +293,19 @@ def main() -> None:
         print(f"engines up in {time.monotonic() - started:.0f} s; arms: {', '.join(urls)}",
               flush=True)
         trace = prompts(args, list(urls), tokenizer)
-        results = asyncio.run(interleave(urls, model, trace, args.pause, dep.engines[1],
+        results = asyncio.run(interleave(urls, model, trace, args.pause, ds,
                                          dep.cores if args.pin_client else None))
     finally:
         if seq is not None:
             seq.stop()
+        if d2 is not None:
+            d2.stop()
         dep.stop()
         agg.stop()
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_bytes(msgspec.json.encode(
         {"config": vars(args), "results": results, "stamps": STAMPS,
-         "d_first_step_ms": D_FIRST_STEP}))
+         "d_first_step_ms": D_FIRST_STEP, "d_landed_before_step": D_LANDED}))
     print(f"\n{Path(args.model).name}, {args.length} tokens, {args.transfer_mode}, "
           f"{args.rounds} rounds after {args.warmup} warm-up, one request at a time "
           f"({json.dumps(str(out / 'result.json'))}):\n")
@@ -275,6 +315,9 @@ def main() -> None:
           "leaving its engine core); the rest is the KV's arrival after P's answer, "
           "D's output path against P's, and the host\n")
     print("\n".join(gap_table(results)))
+    for name, landed in D_LANDED.items():
+        print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
+              "before its workers' report (same_step_landing)")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ class PDConnector(KVConnectorBase_V1):
             # each patch of vLLM (and the CPU affinity) as applied or skipped.
             patches.apply(patches.Process.ENGINE_CORE, patches.Context(
                 cfg, vllm_config, on_shutdown=self._scheduler.on_engine_shutdown,
-                loads_reported=self._scheduler.take_loads_reported))
+                loads_reported=self._scheduler.take_loads_reported,
+                enable_landing=self._scheduler.enable_landing))
         else:
             from vllm_pd_ext.worker.dispatcher import PDWorker
 
@@ -94,6 +95,14 @@ class PDConnector(KVConnectorBase_V1):
             # The next step computes the requests whose KV arrived.
             note_model_step(True)
         self.scheduler.update_connector_output(connector_output)
+
+    def before_schedule(self, scheduler: Any) -> None:
+        """Before each ``schedule()`` (``compat.engine.same_step_landing``)."""
+        self.scheduler.before_schedule(scheduler)
+
+    def before_update_from_output(self, connector_output: Any) -> None:
+        """Before each step's output is applied (``compat.engine.same_step_landing``)."""
+        self.scheduler.before_update_from_output(connector_output)
 
     def take_requests_to_fail(self) -> dict[str, str]:
         """Requests vLLM must end with an error now (``compat.engine.fail_seed_requests``)."""

@@ -34,6 +34,7 @@ COUNTERS = (
     "num_unauthenticated",
     "num_wrong_sender",
     "num_seed_failures",
+    "num_landed_before_step",
     # Multi-turn (scheduler/bidir.py): D keeps, P reads back.
     "num_turns_kept",
     "kept_blocks",
@@ -176,6 +177,10 @@ class PDPromMetrics(KVConnectorPromMetrics):
                 "seed_failures",
                 "Push legs sent before token #1 (pd_seed_pending) that ended with an error: "
                 "no token #1 came with the KV, or the load failed (D)."),
+            "num_landed_before_step": counter(
+                "landed_before_step",
+                "Push: loads D's scheduler saw land from its workers' forwarded "
+                "notifications and scheduled at once, a step before the workers' report (D)."),
         }
         self.counters.update({
             "num_turns_kept": counter(

@@ -163,3 +163,69 @@ def test_close_both_sides():
     assert idle._pull.closed and idle._local.closed and waker._sock.closed
     # A late wake from the outbox or side-channel thread after shutdown is harmless.
     idle.wake()
+
+
+# ------------------------------------------- forwarded notifications (issue 29)
+def connected(idle: IdleWait, waker: Waker) -> None:
+    idle.connect([waker.endpoint])
+    deadline = time.monotonic() + 5.0
+    while not waker.num_wakes and time.monotonic() < deadline:
+        waker.wake()
+        time.sleep(0.01)
+    assert waker.num_wakes, "the worker's wake never reached the scheduler"
+    idle.wait()
+    idle.take_forwarded()
+
+
+def test_a_wake_forwards_its_rank_and_notifications_to_the_scheduler(idle):
+    waker = Waker(rank=3)
+    try:
+        connected(idle, waker)
+        waker.wake([b"pdx:tok+5/pd-1", b"pdx:tok/pd-2"])
+        assert idle.wait() is True
+        assert idle.take_forwarded() == [(3, [b"pdx:tok+5/pd-1", b"pdx:tok/pd-2"])]
+        assert idle.take_forwarded() == []
+        # Taken without a wait too (a busy D drains before each schedule()).
+        waker.wake([b"pdx:tok/pd-3"])
+        deadline = time.monotonic() + 2.0
+        got: list = []
+        while not got and time.monotonic() < deadline:
+            idle.drain()
+            got = idle.take_forwarded()
+        assert got == [(3, [b"pdx:tok/pd-3"])]
+    finally:
+        waker.close()
+
+
+def test_what_a_wake_forwards_is_bounded(idle):
+    """Oversized messages are no WRITE notification of ours and are not
+    forwarded; at most MAX_FORWARDED per wake; the inbox keeps the newest
+    MAX_INBOX when nobody takes them."""
+    from vllm_pd_ext.wire import wakeup
+
+    waker = Waker(rank=0)
+    try:
+        connected(idle, waker)
+        big = b"pdx:" + b"x" * wakeup.MAX_FORWARDED_BYTES
+        many = [f"pdx:t/pd-{i}".encode() for i in range(wakeup.MAX_FORWARDED + 10)]
+        waker.wake([big, *many])
+        assert idle.wait() is True
+        ((rank, notifs),) = idle.take_forwarded()
+        assert rank == 0 and big not in notifs
+        assert notifs == many[:wakeup.MAX_FORWARDED - 1]
+        # Garbage from a local wake, or frames without a rank, forward nothing.
+        idle.wake()
+        idle.wait()
+        assert idle.take_forwarded() == []
+        for i in range(5):
+            waker.wake([f"pdx:t/x-{i}".encode()])
+        time.sleep(0.2)
+        old = wakeup.MAX_INBOX
+        wakeup.MAX_INBOX = 2
+        try:
+            idle.drain()
+        finally:
+            wakeup.MAX_INBOX = old
+        assert [n for _, ns in idle.take_forwarded() for n in ns] == [b"pdx:t/x-3", b"pdx:t/x-4"]
+    finally:
+        waker.close()

@@ -69,7 +69,10 @@ def push(model: str) -> Iterator[dict[str, Any]]:
                     failure_policy="fail", extra_args=SERVE_ARGS,
                     extra_config={"transfer_mode": "push", "push_timeout": D_PUSH_TIMEOUT_S,
                                   "handshake_timeout": D_SIDE_CHANNEL_TIMEOUT_S,
-                                  "transfer_timeout": D_TRANSFER_TIMEOUT_S}),
+                                  "transfer_timeout": D_TRANSFER_TIMEOUT_S,
+                                  # Opt-in: every push test here runs D's
+                                  # landing path (d_recompute the default).
+                                  "same_step_landing": True}),
         "d_recompute": Engine("d-push-recompute", model, logs, role="kv_consumer",
                               cpu_bind="1", failure_policy="recompute",
                               extra_config={"transfer_mode": "push"}),
@@ -392,6 +395,7 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
         after = d.metrics()
         _, events = stream_text(px.url + "/v1/completions", jobs[0][1])
         _, chat_events = stream_text(px.url + "/v1/chat/completions", jobs[12][1])
+        last = d.metrics()
     finally:
         px.stop()
     prompt_tokens = 0
@@ -403,6 +407,11 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
         assert_same_as_reference(ref, got, want)
         prompt_tokens += want["usage"]["prompt_tokens"]
     assert delta(before, after, EXTERNAL) == prompt_tokens  # every prompt came as KV
+    # D's scheduler saw KV land from its worker's forwarded notifications
+    # and computed token #2 in that step (same_step_landing), not a step
+    # after the workers' report. Not every time: a notification that lands
+    # while D's step runs is collected by that step's worker first.
+    assert 1 <= delta(before, last, LANDED) <= len(jobs) + 2
     assert events[-1] == "[DONE]"
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     usage = [{k: e["usage"][k] for k in counts}
@@ -428,6 +437,8 @@ def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(
     assert [t["first_token"] for t in chat_tele] == ["seeded:concurrent"]
 
 
+#: D's loads scheduled in the step its scheduler saw them land.
+LANDED = "vllm:pd_ext_landed_before_step_total"
 #: P's counter of prompt tokens its prefix cache served.
 LOCAL_HIT = "vllm:prompt_tokens_by_source_total[local_cache_hit]"
 #: An engine's counter of prompt tokens it computed itself.

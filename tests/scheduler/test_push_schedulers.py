@@ -44,7 +44,8 @@ def agent(name: str) -> proto.AgentInfo:
 class Pair:
     """A push P and a push D scheduler, plus P's (fake) worker order socket."""
 
-    def __init__(self, mode: str = "sync", d_policy: str = "fail") -> None:
+    def __init__(self, mode: str = "sync", d_policy: str = "fail",
+                 d_extra: dict[str, object] | None = None) -> None:
         common = {"transfer_mode": "push", "handshake_timeout": 0.5}
         self.p_port, self.d_port = free_port(), free_port()
         self.p = create_scheduler(create_vllm_config(
@@ -53,7 +54,8 @@ class Pair:
         self.d = create_scheduler(create_vllm_config(
             "kv_consumer", engine_id="eng-d", extra=dict(
                 common, side_channel_port=self.d_port, heartbeat_interval=0.2,
-                push_timeout=30.0), kv_load_failure_policy=d_policy), mode=mode)
+                push_timeout=30.0, **(d_extra or {})), kv_load_failure_policy=d_policy),
+            mode=mode)
         self.ctx = zmq.Context()
         self.orders = self.ctx.socket(zmq.PULL)
         self.orders.setsockopt(zmq.LINGER, 0)

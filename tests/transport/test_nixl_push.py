@@ -266,3 +266,39 @@ def test_pusher_keeps_the_real_agent_and_reaps_departed_ones(pusher):
         srv.close()
         for d in ds:
             d.t.close()
+
+
+def test_the_pump_hands_on_notif_what_it_kept_for_take_notifs(pusher):
+    """D's worker forwards what its pump collects to its scheduler
+    (same_step_landing): the callback gets each notification, after it was
+    kept, so the worker's own ``take_notifs`` still returns it."""
+    import threading
+
+    got: list[bytes] = []
+    seen = threading.Event()
+    buf = (ctypes.c_uint8 * NBYTES)()
+    d = NixlTransport(f"d-fwd-{os.getpid()}-{time.monotonic_ns()}", ["UCX"],
+                      progress_thread=False)
+    try:
+        d.register([(ctypes.addressof(buf), NBYTES)], "DRAM", 0)
+        kept_first: list[list[bytes]] = []
+
+        def on_notif(notifs: list[bytes]) -> None:
+            with d._notif_lock:
+                kept_first.append(list(d._notifs))
+            got.extend(notifs)
+            seen.set()
+
+        d.start_progress_pump(0.001, on_notif=on_notif)
+        peer = pusher.add_peer(d.metadata(), "DRAM")
+        descs = build_descriptors(SRC, DST, regions(pusher.addr), regions(ctypes.addressof(buf)))
+        notif = proto.push_notif("pd-fwd", "cd34", seed=17)
+        assert write(pusher, peer, descs, notif) is XferState.DONE
+        assert seen.wait(20.0), "the pump never called on_notif"
+        assert got == [notif]
+        assert kept_first[0] == [notif]  # kept before the callback ran
+        assert d.take_notifs() == [notif]
+        assert ctypes.string_at(ctypes.addressof(buf) + 9 * BLOCK, BLOCK) == (
+            nixl_peer.pattern(NBYTES)[7 * BLOCK:8 * BLOCK])
+    finally:
+        d.close()

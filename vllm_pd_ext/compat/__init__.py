@@ -211,6 +211,43 @@ def append_prompt_token(request: Any, token: int) -> None:
     request.update_block_hashes()
 
 
+def only_waits_for_remote_kv(scheduler: Any) -> bool:
+    """Nothing in ``scheduler`` can run until a remote KV load is reported:
+    no running request, none finished or loaded to process, and every
+    waiting request waits for its KV (vLLM keeps those in
+    ``kv_holding_waiting``, beside ``waiting``)."""
+    from vllm.v1.request import RequestStatus
+
+    if (scheduler.running or scheduler.finished_req_ids
+            or scheduler.finished_recving_kv_req_ids or scheduler.failed_recving_kv_req_ids):
+        return False
+    queues = (scheduler.waiting, getattr(scheduler, "kv_holding_waiting", ()))
+    return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for q in queues for r in q)
+
+
+def waits_for_remote_kv(scheduler: Any, request_id: str) -> bool:
+    """``request_id`` waits for its remote KV, not yet reported loaded."""
+    from vllm.v1.request import RequestStatus
+
+    request = scheduler.requests.get(request_id)
+    return (request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and request_id not in scheduler.finished_recving_kv_req_ids
+            and request_id not in scheduler.failed_recving_kv_req_ids)
+
+
+def promote_landed(scheduler: Any, request_id: str) -> None:
+    """Mark a request's remote KV loaded, as the workers' report does in
+    ``Scheduler._update_from_kv_xfer_finished``: this ``schedule()`` then
+    promotes it (``_update_waiting_for_remote_kv``)."""
+    import vllm.v1.core.sched.scheduler as sched_mod
+
+    scheduler.finished_recving_kv_req_ids.add(request_id)
+    stage = getattr(sched_mod, "KV_FETCH_COMPLETED_WAITING", None)
+    set_stage = getattr(scheduler, "_set_kv_fetch_stage", None)
+    if stage is not None and set_stage is not None:
+        set_stage(scheduler.requests[request_id], stage)
+
+
 def is_rejection_notice(request: Any) -> bool:
     """vLLM's pre-aborted stand-in for a D leg its API server refused before
     the engine saw it (``notify_kv_transfer_request_rejected``): the leg's

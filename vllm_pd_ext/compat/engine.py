@@ -297,3 +297,45 @@ def fail_seed_requests() -> bool:
     update_from_output._pd_fail_seed_requests = True  # type: ignore[attr-defined]
     Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
     return True
+
+
+def same_step_landing() -> bool:
+    """Let the connector act before each ``Scheduler.schedule`` and before
+    each ``Scheduler.update_from_output``; False if already done here.
+
+    ``schedule``: the connector's ``before_schedule(scheduler)`` sleeps an
+    idle D's step there rather than after it was planned, and promotes the
+    pushes it saw land (``promote_landed``), so their first step runs in
+    this very step (``scheduler/d_landing.py``). ``update_from_output``: its
+    ``before_update_from_output(kv_connector_output)`` reads the workers'
+    metadata before vLLM finishes the step's requests, so a request that
+    ends in the step its load was reported in still answers with its
+    transfer record.
+    """
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original_schedule = Scheduler.schedule
+    if getattr(original_schedule, "_pd_same_step_landing", False):
+        return False
+    original_update = Scheduler.update_from_output
+
+    @functools.wraps(original_schedule)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hook = getattr(self.connector, "before_schedule", None)
+        if hook is not None:
+            hook(self)
+        return original_schedule(self, *args, **kwargs)
+
+    @functools.wraps(original_update)
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        hook = getattr(self.connector, "before_update_from_output", None)
+        output = getattr(model_runner_output, "kv_connector_output", None)
+        if hook is not None and output is not None:
+            hook(output)
+        return original_update(self, scheduler_output, model_runner_output)
+
+    schedule._pd_same_step_landing = True  # type: ignore[attr-defined]
+    Scheduler.schedule = schedule  # type: ignore[method-assign]
+    Scheduler.update_from_output = update_from_output  # type: ignore[method-assign]
+    return True
+

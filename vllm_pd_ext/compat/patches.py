@@ -68,6 +68,9 @@ class Context:
     #: EngineCore: True once after a step reported a KV load done
     #: (``skip_idle_yield``).
     loads_reported: Callable[[], bool] | None = None
+    #: EngineCore: turn on the scheduler half's landing view; False where
+    #: it has none (not a push D with ``push_idle_wait_ms`` > 0).
+    enable_landing: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,16 @@ def _apply_fail_seed_requests(ctx: Context) -> str:
             "error, whatever kv_load_failure_policy (never samples token #1 again)")
 
 
+def _apply_same_step_landing(ctx: Context) -> str:
+    if ctx.cfg is not None and not ctx.cfg.same_step_landing:
+        raise Skip("same_step_landing is false")
+    if ctx.enable_landing is None or not ctx.enable_landing():
+        raise Skip("not a push D with push_idle_wait_ms > 0")
+    engine_patches.same_step_landing()
+    return ("a push D schedules a request in the step its scheduler sees the KV land "
+            "(the workers' forwarded notifications), a step before the workers' report")
+
+
 def _apply_drain_window(ctx: Context) -> str:
     window = engine_patches.ensure_drain_window(ctx.vllm_config, ctx.cfg.drain_timeout)
     return (f"on SIGTERM the EngineCore drains for up to {window} s (granted leases are "
@@ -306,6 +319,32 @@ PATCHES: tuple[Patch, ...] = (
                     "self.connector.update_connector_output(kv_connector_output)"),
              _needs("vllm.v1.engine.EngineCoreOutput", "finish_reason", "trace_headers")),
         _apply_fail_seed_requests),
+    Patch(
+        "same_step_landing", "vllm.v1.core.sched.scheduler.Scheduler.schedule and "
+        ".update_from_output (wrapped: the connector's before_schedule / "
+        "before_update_from_output first); Scheduler.finished_recving_kv_req_ids",
+        _V, (Process.ENGINE_CORE,),
+        "an idle push D learned a load landed only from the output of an empty step run "
+        "for it, and computed with it in the step after: two crossings to its workers "
+        "between the KV landing and token #2 (issue 29)",
+        _all(_needs("vllm.v1.core.sched.scheduler.Scheduler._handle_blocked_waiting_request",
+                    "RequestStatus.WAITING_FOR_REMOTE_KVS",
+                    "if request_id not in self.finished_recving_kv_req_ids:",
+                    "self._update_waiting_for_remote_kv(request)"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler._update_from_kv_xfer_finished",
+                    "self.connector.update_connector_output(kv_connector_output)",
+                    "for req_id in kv_connector_output.finished_recving or ():",
+                    "self.finished_recving_kv_req_ids.add(req_id)"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
+                    "kv_connector_output = model_runner_output.kv_connector_output",
+                    "self._free_request(request)",
+                    "self._update_from_kv_xfer_finished(kv_connector_output)"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler.__init__", "self.running",
+                    "self.waiting", "self.finished_recving_kv_req_ids",
+                    "self.failed_recving_kv_req_ids", "self.finished_req_ids"),
+             _needs("vllm.v1.core.sched.scheduler.Scheduler.schedule",
+                    "def schedule(self")),
+        _apply_same_step_landing),
     Patch(
         "drain_window", "VllmConfig.shutdown_timeout (set when 0)",
         _V, (Process.ENGINE_CORE,),

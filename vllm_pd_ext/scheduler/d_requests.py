@@ -117,6 +117,9 @@ class DRequest(Load):
     seed_pending: bool = False
     #: The token #1 P's notification carried (-1: none yet).
     seed: int = -1
+    #: When the scheduler saw its push land (``land_seen``; monotonic), before
+    #: the workers' record of it came: its telemetry's ``kv_ready_ms`` ends there.
+    landed_at: float = 0.0
     #: vLLM's request (``seed_pending`` only: the seed is appended to it).
     request: Any = None
 
@@ -128,6 +131,10 @@ class StepOut:
     recv: list[RecvSpec] = field(default_factory=list)
     push: list[PushRecvSpec] = field(default_factory=list)
     fail: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.recv or self.push or self.fail)
 
 
 def tp_size_problem(p_tp: int, d_tp: int) -> str:
@@ -355,6 +362,25 @@ class DRequests:
             return str(exc)
         return None
 
+    def land_seen(self, rid: str, seed: int, vocab_size: int) -> bool:
+        """The scheduler saw ``rid``'s push land on every rank
+        (``d_landing.LandingView``): end its load here as the workers'
+        report would, with P's token #1 appended. False (nothing changed)
+        where the report must decide: not a load in flight, or token #1
+        missing or out of range (the report then fails the request)."""
+        d = self._reqs.get(rid)
+        if d is None or d.state is not LoadState.LOADING or d.leader:
+            return False
+        if d.seed_pending:
+            if seed < 0 or (vocab_size and seed >= vocab_size):
+                return False
+            d.seed = seed
+            if self.seed_problem(rid, False, vocab_size) is not None:
+                return False
+        d.landed_at = time.monotonic()
+        self.reported(rid)
+        return True
+
     def reported(self, rid: str) -> None:
         """The workers reported ``rid``'s load (done or failed)."""
         d = self._reqs.get(rid)
@@ -377,7 +403,8 @@ class DRequests:
                 rec = telemetry.merge(d.transfer, rec)
             if d is not None and d.params is not None:
                 params = d.params
-                fill: dict[str, Any] = {"kv_ready_ms": telemetry.ms(now - d.arrived)}
+                fill: dict[str, Any] = {
+                    "kv_ready_ms": telemetry.ms((d.landed_at or now) - d.arrived)}
                 if d.dispatched:
                     fill["sched_ms"] = telemetry.ms(d.dispatched - d.arrived)
                 if d.api_s is not None:

@@ -35,11 +35,12 @@ from vllm_pd_ext.leases.lender import BlockLender
 from vllm_pd_ext.leases.service import LeaseService
 from vllm_pd_ext.leases.table import LeaseTable
 from vllm_pd_ext.log import get_logger
-from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata
+from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata
 from vllm_pd_ext.policy import FailureReason
 from vllm_pd_ext.scheduler import bidir
 from vllm_pd_ext.scheduler.counters import SchedulerCounters
 from vllm_pd_ext.scheduler.d_keep import TurnKeeper
+from vllm_pd_ext.scheduler.d_landing import LandingView
 from vllm_pd_ext.scheduler.d_pull import PullConsumer
 from vllm_pd_ext.scheduler.d_push import PushConsumer
 from vllm_pd_ext.scheduler.d_requests import DMode, DRequests
@@ -58,6 +59,9 @@ from vllm_pd_ext.wire.side_channel import SideChannelServer
 from vllm_pd_ext.wire.wakeup import IdleWait, should_wait
 
 logger = get_logger(__name__)
+
+#: Promoted loads whose workers' report is awaited, at most (``_take_claimed``).
+MAX_CLAIMED = 65536
 
 
 class PDScheduler:
@@ -142,6 +146,17 @@ class PDScheduler:
                 and vllm_config.kv_transfer_config.is_kv_consumer):
             self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
             self.consumer.on_event = self.idle.wake
+        #: D, push: pushes seen landing before the workers report them
+        #: (``enable_landing``, by the ``same_step_landing`` patch; d_landing.py).
+        self.landing: LandingView | None = None
+        #: Loads promoted from the landing view -> when; their workers'
+        #: report is taken out of the step's output (``_take_claimed``).
+        self._claimed: dict[str, float] = {}
+        #: This step already slept before ``schedule()``.
+        self._waited = False
+        #: Loads promoted from the landing view since start (the stats'
+        #: ``num_landed_before_step`` counts them per interval).
+        self.num_landed_before_step = 0
 
     # ---------------------------------------------------------------- startup
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
@@ -161,6 +176,14 @@ class PDScheduler:
             self.bind_host, self.port, self.engine_id, self.compat, agents, self.leases,
             push=_PushDispatch(self) if self.producer is not None else None, auth=self.auth,
             on_activity=self.ringer.ring if self.ringer is not None else None)
+
+    def enable_landing(self) -> bool:
+        """Turn the landing view on; False where D has no idle wait (not a push D)."""
+        if self.idle is None:
+            return False
+        if self.landing is None:
+            self.landing = LandingView(self.tp_size)
+        return True
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
         self.lender.bind(compat.check_block_pool(block_pool))
@@ -230,12 +253,79 @@ class PDScheduler:
             elif spec is not None:
                 self.d.out.recv.append(spec)
 
-    def update_connector_output(self, output: Any) -> None:
+    # ----------------------------------------------- landing before the report
+    def before_schedule(self, scheduler: Any) -> None:
+        """Before vLLM's ``schedule()`` (the ``same_step_landing`` patch): an
+        idle D sleeps here until a push lands (its step is then planned with
+        the request in it), and every push the workers' forwarded
+        notifications show landed on every rank is promoted now."""
+        if self.landing is None or self.idle is None:
+            return
+        self._waited = False
+        if (self.consumer is not None and self.consumer.num_waiting and not self.d.out.busy
+                and not self._to_fail and compat.only_waits_for_remote_kv(scheduler)):
+            self.idle.wait()
+            self._waited = True
+        else:
+            self.idle.drain()
+        for rank, notifs in self.idle.take_forwarded():
+            self.landing.feed(rank, notifs)
+        now = time.monotonic()
+        for seen in self.landing.collect(now):
+            rid = seen.spec.request_id
+            # The check comes first: ``land_seen`` changes the request.
+            if not compat.waits_for_remote_kv(scheduler, rid):
+                continue
+            if self.d.land_seen(rid, seen.seed, self.vocab_size):
+                compat.promote_landed(scheduler, rid)
+                self._claimed[rid] = now
+                self.num_landed_before_step += 1
+                self._stats.inc("num_landed_before_step")
+        if len(self._claimed) > MAX_CLAIMED:
+            # Each claimed load's report comes in the step it was claimed
+            # in; one that never does is not worth unbounded memory.
+            for rid in list(self._claimed)[:len(self._claimed) - MAX_CLAIMED]:
+                del self._claimed[rid]
+
+    def before_update_from_output(self, output: Any) -> None:
+        """Before vLLM finishes the step's requests: their transfer records
+        are in before a request that ends in this step answers."""
+        self._take_worker_meta(output)
+
+    def _take_worker_meta(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
-        if meta is not None:
-            self.d.on_seeds(dict(getattr(meta, "seeds", None) or {}))
-            self.d.on_records(list(getattr(meta, "records", ())))
+        if not isinstance(meta, PDWorkerMetadata):
+            return
+        # Emptied once read: read twice, a record's bytes would count twice.
+        seeds, meta.seeds = meta.seeds, {}
+        records, meta.records = meta.records, []
+        self.d.on_seeds(dict(seeds))
+        self.d.on_records(list(records))
+
+    def _take_claimed(self, output: Any) -> None:
+        """The workers' report of loads already promoted from the landing
+        view: vLLM must not see it (for a running request it asserts; for
+        one that finished it would free its blocks twice)."""
+        for name in ("finished_recving", "failed_recving"):
+            ids = getattr(output, name, None)
+            if not ids:
+                continue
+            for rid in [r for r in ids if r in self._claimed]:
+                ids.discard(rid)
+                if name == "failed_recving":
+                    logger.error("PDConnector: request %s was seen landed on every rank but a "
+                                 "worker reported its load failed; it already runs", rid)
+                    continue
+                del self._claimed[rid]
+
+    def update_connector_output(self, output: Any) -> None:
+        self._take_worker_meta(output)
+        if self._claimed:
+            self._take_claimed(output)
         failed = output.failed_recving or ()
+        if self.landing is not None:
+            for rid in [*(output.finished_recving or ()), *failed]:
+                self.landing.forget(rid)
         if output.finished_recving:
             self._loads_reported = True
         for rid in output.finished_recving or ():
@@ -255,6 +345,13 @@ class PDScheduler:
         self._loads_reported = False
         push_fail = self.d.poll()
         out = self.d.take_step()
+        if self.landing is not None:
+            now = time.monotonic()
+            for spec in out.push:
+                self.landing.expect(spec, now)
+            for rid in push_fail:
+                self.landing.forget(rid)
+        waited, self._waited = self._waited, False
         meta = PDConnectorMetadata(
             reqs_to_recv=out.recv, reqs_to_fail=out.fail, push_recv=out.push,
             push_fail=push_fail,
@@ -265,7 +362,7 @@ class PDScheduler:
         if self.ringer is not None and self.consumer is not None and self.consumer.num_waiting:
             # P's WRITEs may land any time now: the pump collects their notifications.
             self.ringer.ring()
-        if self.idle is not None and self.consumer is not None and should_wait(
+        if not waited and self.idle is not None and self.consumer is not None and should_wait(
                 int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)),
                 self.consumer.num_waiting,
                 bool(out.recv or out.fail or out.push or push_fail),
@@ -344,6 +441,8 @@ class PDScheduler:
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        if self.landing is not None:
+            self.landing.forget(rid)
         d_answer = self.d.finish(rid, request, block_ids)
         if d_answer is not None:
             return d_answer

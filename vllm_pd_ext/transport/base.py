@@ -158,11 +158,11 @@ class Transport(abc.ABC):
         """Free a handle; False if the transfer may still touch memory."""
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
-                            on_notif: Callable[[], None] | None = None,
+                            on_notif: Callable[[list[bytes]], None] | None = None,
                             bell: Bell | None = None) -> None:
         """Make progress as a transfer target without the engine stepping;
-        ``on_notif`` is called from the pump's thread when notifications were
-        kept (D's push worker wakes its scheduler with it); with ``bell``
+        ``on_notif`` is called from the pump's thread with the notifications
+        it kept (D's push worker forwards them to its scheduler with it); with ``bell``
         the pump slows down while no peer works with us and the bell wakes
         it (``wire/pump_bell.py``); the pump then owns and closes the bell."""
         if bell is not None:

@@ -72,11 +72,12 @@ class NixlTransport(Transport):
         self.num_pump_rounds = 0
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
-                            on_notif: Callable[[], None] | None = None,
+                            on_notif: Callable[[list[bytes]], None] | None = None,
                             bell: Bell | None = None) -> None:
         """Progress the agent from a daemon thread; ``keep_notifs=False``
         drops what arrives (nobody will take it); ``on_notif`` runs on the
-        pump's thread after notifications were kept.
+        pump's thread with the notifications it just kept (after they were
+        kept, so ``take_notifs`` returns them by the time it runs).
 
         Without NIXL's progress thread (which spins a core on CPU) a READ
         target never answers UCX's connection wire-up, so the first READ
@@ -105,11 +106,12 @@ class NixlTransport(Transport):
                 while not wait():
                     self.num_pump_rounds += 1
                     try:
-                        if self._collect_notifs():
+                        kept = self._collect_notifs()
+                        if kept:
                             if pace is not None:
                                 pace.hurry()
                             if on_notif is not None:
-                                on_notif()
+                                on_notif(kept)
                     except Exception as exc:  # keep pumping; log once per burst
                         logger.debug("NIXL progress pump: %s", exc)
             finally:
@@ -119,24 +121,24 @@ class NixlTransport(Transport):
         self._pump = threading.Thread(target=run, name="pd-nixl-progress", daemon=True)
         self._pump.start()
 
-    def _collect_notifs(self) -> bool:
-        """True if notifications were kept."""
+    def _collect_notifs(self) -> list[bytes]:
+        """The notifications kept now (none: nothing new, or not kept)."""
         new = self._agent.get_new_notifs()
         if not new:
-            return False
+            return []
         with self._notif_lock:
             if not self._keep_notifs:
                 self.num_dropped_notifs += sum(len(msgs) for msgs in new.values())
-                return False
-            for msgs in new.values():
-                self._notifs.extend(bytes(m) for m in msgs)
+                return []
+            kept = [bytes(m) for msgs in new.values() for m in msgs]
+            self._notifs.extend(kept)
             excess = len(self._notifs) - MAX_PENDING_NOTIFS
             if excess > 0:
                 del self._notifs[:excess]
                 self.num_dropped_notifs += excess
                 logger.warning("PDConnector: %d NIXL notifications dropped: more than %d "
                                "pending", excess, MAX_PENDING_NOTIFS)
-        return True
+        return kept
 
     def take_notifs(self) -> list[bytes]:
         try:

@@ -24,10 +24,17 @@ A request that arrives during the wait is scheduled at most
 ``push_idle_wait_ms`` later; a step with any work never waits
 (``should_wait``).
 
+The worker's wake carries the notifications it woke for (its rank, then
+each one's bytes), so the scheduler can see a push land without the step
+that would collect it (``scheduler/d_landing.py``). That copy is a hint:
+a forwarded message lost to a full queue, or a notification the worker's
+step thread took first, only leaves the request to the worker's own report.
+
 Lifecycle: the worker creates its ``Waker`` in ``register_kv_caches``; the
 scheduler creates one ``IdleWait``, connects it to every rank's waker in
-``set_xfer_handshake_metadata``, waits from ``build_connector_meta`` and
-closes it at shutdown.
+``set_xfer_handshake_metadata``, waits before ``schedule()`` or from
+``build_connector_meta``, takes what was forwarded (``take_forwarded``),
+and closes it at shutdown.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import contextlib
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -45,6 +53,15 @@ from vllm_pd_ext.log import get_logger
 logger = get_logger(__name__)
 
 _ids = itertools.count()
+
+#: Notifications forwarded per wake (a pump round rarely keeps more).
+MAX_FORWARDED = 64
+#: A longer message is no WRITE notification of ours (``pdx:<tag>/<id>``).
+MAX_FORWARDED_BYTES = 512
+#: Wakes queued between the worker and the scheduler before new ones drop.
+WAKE_HWM = 256
+#: Forwarded (rank, notifications) kept until the scheduler takes them.
+MAX_INBOX = 4096
 
 
 def should_wait(scheduled_tokens: int, num_push_waits: int, has_work_for_worker: bool,
@@ -57,23 +74,28 @@ def should_wait(scheduled_tokens: int, num_push_waits: int, has_work_for_worker:
 
 
 class Waker:
-    """Worker side: wake the scheduler's ``IdleWait`` (one thread calls ``wake``)."""
+    """Worker side: wake the scheduler's ``IdleWait`` with the notifications
+    rank ``rank`` kept (one thread calls ``wake``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
-        # One queued wake is as good as many.
-        self._sock.setsockopt(zmq.SNDHWM, 1)
+        # Each wake carries its notifications; past this a wake is dropped,
+        # which only leaves those pushes to the worker's own report.
+        self._sock.setsockopt(zmq.SNDHWM, WAKE_HWM)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.num_wakes = 0
 
-    def wake(self) -> None:
+    def wake(self, notifs: Sequence[bytes] = ()) -> None:
+        frames = [b"w", str(self.rank).encode()]
+        frames += [n for n in notifs[:MAX_FORWARDED] if len(n) <= MAX_FORWARDED_BYTES]
         try:
-            self._sock.send(b"w", zmq.NOBLOCK)
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
             self.num_wakes += 1
-        except zmq.ZMQError:  # a wake is already queued, or no scheduler yet
+        except zmq.ZMQError:  # the queue is full, or no scheduler yet
             pass
 
     def close(self) -> None:
@@ -102,6 +124,8 @@ class IdleWait:
         self.num_waits = 0
         self.num_woken = 0
         self.seconds_waited = 0.0
+        #: (worker rank, notifications) forwarded by the workers' wakes.
+        self._inbox: list[tuple[int, list[bytes]]] = []
 
     def connect(self, endpoints: list[str]) -> None:
         for ep in endpoints:
@@ -118,15 +142,31 @@ class IdleWait:
         wake that came while D was stepping ends the next wait at once."""
         t0 = time.monotonic()
         woken = bool(self._poller.poll(max(1, round(self.timeout_s * 1e3))))
-        while True:
-            try:
-                self._pull.recv(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
+        self.drain()
         self.num_waits += 1
         self.num_woken += woken
         self.seconds_waited += time.monotonic() - t0
         return woken
+
+    def drain(self) -> None:
+        """Take the queued wakes without blocking, keeping what they forwarded."""
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return
+            if len(frames) < 3 or not frames[1].isdigit() or len(frames[1]) > 4:
+                continue  # a local wake, or one that forwarded nothing
+            self._inbox.append((int(frames[1]), frames[2:2 + MAX_FORWARDED]))
+            if len(self._inbox) > MAX_INBOX:
+                # Nobody takes them (a scheduler without the landing view):
+                # the oldest go, as hints may.
+                del self._inbox[:len(self._inbox) - MAX_INBOX]
+
+    def take_forwarded(self) -> list[tuple[int, list[bytes]]]:
+        """The workers' forwarded notifications since the last call, oldest first."""
+        out, self._inbox = self._inbox, []
+        return out
 
     def close(self) -> None:
         self._local.close()

@@ -42,8 +42,14 @@ class Landed:
 
 
 class PushReceiver:
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, early_ttl_s: float = EARLY_TTL_S,
+                 warn_unknown: bool = True) -> None:
         self.transport = transport
+        #: How long a notification without a spec is kept, and whether its
+        #: drop is worth a warning (the scheduler's replay, ``d_landing``,
+        #: sees the late copies of pushes it already forgot: no warning).
+        self.early_ttl_s = early_ttl_s
+        self.warn_unknown = warn_unknown
         self._expected: dict[str, tuple[PushRecvSpec, float]] = {}
         self._by_request: dict[str, str] = {}
         #: pd_request_id -> token -> arrival, for notifications ahead of their spec.
@@ -109,10 +115,12 @@ class PushReceiver:
             got = {seeds.get(tag, -1) for tag in tokens}
             out.append(Landed(spec, now - since, got.pop() if len(got) == 1 else -1))
         for pd_id, tokens in list(self._early.items()):
-            if now - max(tokens.values()) > EARLY_TTL_S:
+            if now - max(tokens.values()) > self.early_ttl_s:
                 del self._early[pd_id]
                 self._seeds.pop(pd_id, None)
-                logger.warning("PDConnector: notification for unknown push %s dropped", pd_id)
+                if self.warn_unknown:
+                    logger.warning("PDConnector: notification for unknown push %s dropped",
+                                   pd_id)
         return out
 
     @property

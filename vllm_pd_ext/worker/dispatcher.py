@@ -33,6 +33,7 @@ from typing import Any
 
 from vllm_pd_ext import compat
 from vllm_pd_ext.compat import patches
+from vllm_pd_ext.compat.engine import note_model_step
 from vllm_pd_ext.config import PDConfig
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.metadata import PDConnectorMetadata, PDHandshakeMetadata, PDWorkerMetadata
@@ -134,7 +135,7 @@ class PDWorker:
         target = target or self.cfg.bidirectional_kv_xfer
         if push and kv_cfg.is_kv_consumer and self.cfg.push_idle_wait_ms > 0:
             # Ends D's scheduler's idle wait the moment a WRITE's notification lands.
-            self.waker = Waker()
+            self.waker = Waker(self.tp_rank)
         if (target and not self.cfg.nixl_progress_thread
                 and self.cfg.nixl_progress_interval_ms > 0):
             # The scheduler half rings it when a peer starts working with us.
@@ -142,7 +143,7 @@ class PDWorker:
             # Only push's receiver takes notifications; in pull they would pile up.
             self.transport.start_progress_pump(
                 self.cfg.nixl_progress_interval_ms / 1e3, keep_notifs=push,
-                on_notif=self.waker.wake if self.waker is not None else None, bell=self.bell)
+                on_notif=self._on_notif if self.waker is not None else None, bell=self.bell)
         if push and kv_cfg.is_kv_producer:
             own = (self.cfg.advertised_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
@@ -159,6 +160,16 @@ class PDWorker:
         logger.info("PDConnector: worker rank %d registered %d KV regions (%d blocks, %d B "
                     "per block) with %s", self.tp_rank, len(self.regions), num_blocks,
                     self.regions[0].block_len, type(self.transport).__name__)
+
+    def _on_notif(self, notifs: list[bytes]) -> None:
+        """The progress pump kept WRITE notifications: the scheduler may
+        schedule their requests' first step at once (``same_step_landing``),
+        so this worker's reader of the step RPCs spins for it, as after a
+        step that reported a load (``note_model_step``), instead of waking
+        from a sleep for it (0.4 to 3.8 ms on CPU). Then forward them."""
+        note_model_step(True)
+        assert self.waker is not None
+        self.waker.wake(notifs)
 
     def _num_blocks(self, t: Any) -> int:
         cc = self.vllm_config.cache_config

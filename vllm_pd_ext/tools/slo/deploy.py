@@ -45,6 +45,8 @@ class Deployment:
     kv_bytes: int = 1 << 30
     #: More proxy flags (disaggregated).
     proxy_args: list[str] = field(default_factory=list)
+    #: More ``kv_connector_extra_config`` for D (disaggregated).
+    d_extra: dict[str, Any] = field(default_factory=dict)
     engines: list[Engine] = field(default_factory=list)
     proxy: Proxy | None = None
 
@@ -73,7 +75,8 @@ class Deployment:
                    **common)
         d = Engine("d", self.model, logs, role="kv_consumer", tp_size=d_tp,
                    cpu_bind=tp_bind(d_tp, self.cores[1], self.cores),
-                   extra_config={**mode, "transfer_telemetry_in_response": True},
+                   extra_config={**mode, "transfer_telemetry_in_response": True,
+                                 **self.d_extra},
                    **common)
         self.engines = [p, d]
         self.proxy = Proxy([p.url], [d.url], logs, args=[
