@@ -231,3 +231,27 @@ def test_a_request_ending_in_that_step_still_answers_with_its_record(mode: str) 
         assert_scheduler_empty(t.pair.d)
     finally:
         t.close()
+
+
+def test_a_failure_in_the_landing_path_turns_it_off_and_the_report_path_serves(
+        mode: str, caplog) -> None:
+    """A bug in the view must not end the EngineCore: the step goes on, the
+    view is turned off, and the load is served by the workers' report."""
+    t = Landing(mode)
+    try:
+        d = pd(t.pair.d)
+
+        def broken(now: float) -> list:
+            raise RuntimeError("injected")
+
+        d.landing.collect = broken
+        t.forward()
+        step(t.pair.d, **t.report())  # no exception out of schedule()
+        assert d.landing is None and landed_count(t.pair.d) == 0
+        assert any("same-step landing failed" in r.message for r in caplog.records)
+        t.run_to_end()
+        assert t.req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+        step(t.pair.d)
+        assert_scheduler_empty(t.pair.d)
+    finally:
+        t.close()

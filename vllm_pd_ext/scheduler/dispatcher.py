@@ -261,17 +261,29 @@ class PDScheduler:
         notifications show landed on every rank is promoted now."""
         if self.landing is None or self.idle is None:
             return
+        try:
+            self._land_before_schedule(scheduler, self.landing, self.idle)
+        except Exception:
+            # A bug here must not end the EngineCore: every load then waits
+            # for its workers' report, as without the key (what was already
+            # promoted keeps its report taken out: ``_claimed``).
+            logger.exception("PDConnector: same-step landing failed; turned off, loads wait "
+                             "for the workers' report")
+            self.landing = None
+
+    def _land_before_schedule(self, scheduler: Any, landing: LandingView, idle: IdleWait
+                              ) -> None:
         self._waited = False
         if (self.consumer is not None and self.consumer.num_waiting and not self.d.out.busy
                 and not self._to_fail and compat.only_waits_for_remote_kv(scheduler)):
-            self.idle.wait()
+            idle.wait()
             self._waited = True
         else:
-            self.idle.drain()
-        for rank, notifs in self.idle.take_forwarded():
-            self.landing.feed(rank, notifs)
+            idle.drain()
+        for rank, notifs in idle.take_forwarded():
+            landing.feed(rank, notifs)
         now = time.monotonic()
-        for seen in self.landing.collect(now):
+        for seen in landing.collect(now):
             rid = seen.spec.request_id
             # The check comes first: ``land_seen`` changes the request.
             if not compat.waits_for_remote_kv(scheduler, rid):
