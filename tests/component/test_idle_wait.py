@@ -167,6 +167,7 @@ def test_close_both_sides():
 
 # ------------------------------------------- forwarded notifications (issue 29)
 def connected(idle: IdleWait, waker: Waker) -> None:
+    idle.keep_forwarded = True
     idle.connect([waker.endpoint])
     deadline = time.monotonic() + 5.0
     while not waker.num_wakes and time.monotonic() < deadline:
@@ -227,5 +228,19 @@ def test_what_a_wake_forwards_is_bounded(idle):
         finally:
             wakeup.MAX_INBOX = old
         assert [n for _, ns in idle.take_forwarded() for n in ns] == [b"pdx:t/x-3", b"pdx:t/x-4"]
+    finally:
+        waker.close()
+
+
+def test_forwards_are_not_kept_for_a_scheduler_that_does_not_read_them(idle):
+    """Without the landing view (``same_step_landing`` off, the default) a
+    wake still ends the wait, and what it carried is dropped at once."""
+    waker = Waker(rank=0)
+    try:
+        connected(idle, waker)
+        idle.keep_forwarded = False
+        waker.wake([b"pdx:tok/pd-1"])
+        assert idle.wait() is True
+        assert idle.take_forwarded() == [] and idle._inbox == []
     finally:
         waker.close()

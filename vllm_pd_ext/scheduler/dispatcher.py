@@ -183,6 +183,7 @@ class PDScheduler:
             return False
         if self.landing is None:
             self.landing = LandingView(self.tp_size)
+        self.idle.keep_forwarded = True
         return True
 
     def bind_gpu_block_pool(self, block_pool: Any) -> None:
@@ -270,6 +271,7 @@ class PDScheduler:
             logger.exception("PDConnector: same-step landing failed; turned off, loads wait "
                              "for the workers' report")
             self.landing = None
+            self.idle.keep_forwarded = False
 
     def _land_before_schedule(self, scheduler: Any, landing: LandingView, idle: IdleWait
                               ) -> None:

@@ -124,8 +124,10 @@ class IdleWait:
         self.num_waits = 0
         self.num_woken = 0
         self.seconds_waited = 0.0
-        #: (worker rank, notifications) forwarded by the workers' wakes.
+        #: (worker rank, notifications) forwarded by the workers' wakes, kept
+        #: only for a scheduler that reads them (``keep_forwarded``).
         self._inbox: list[tuple[int, list[bytes]]] = []
+        self.keep_forwarded = False
 
     def connect(self, endpoints: list[str]) -> None:
         for ep in endpoints:
@@ -155,12 +157,12 @@ class IdleWait:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK)
             except zmq.ZMQError:
                 return
-            if len(frames) < 3 or not frames[1].isdigit() or len(frames[1]) > 4:
-                continue  # a local wake, or one that forwarded nothing
+            if (not self.keep_forwarded or len(frames) < 3 or not frames[1].isdigit()
+                    or len(frames[1]) > 4):
+                continue  # nobody reads them, a local wake, or one that forwarded nothing
             self._inbox.append((int(frames[1]), frames[2:2 + MAX_FORWARDED]))
             if len(self._inbox) > MAX_INBOX:
-                # Nobody takes them (a scheduler without the landing view):
-                # the oldest go, as hints may.
+                # Not taken for a while: the oldest go, as hints may.
                 del self._inbox[:len(self._inbox) - MAX_INBOX]
 
     def take_forwarded(self) -> list[tuple[int, list[bytes]]]:
