@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -58,6 +59,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_pd_ext import STEP_TRACE_ENV
+from vllm_pd_ext.tools import step_split
 from vllm_pd_ext.tools.launch import Engine, Proxy
 from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
 from vllm_pd_ext.tools.slo.client import run_point
@@ -105,6 +108,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_const",
                    const="off", help="the same as --same-step-landing off (with "
                                      "--ab-landing: the A/A run, both D's without it)")
+    p.add_argument("--step-trace", action="store_true",
+                   help="time each step's phases in the aggregated engine and the D's "
+                        "(VLLM_PD_EXT_STEP_TRACE) and print the split "
+                        "(tools/step_split.py); in push without --ab-landing, D's rows "
+                        "hold both push arms' requests")
     p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
                    help="leave the client and the proxies where the OS puts them (by "
                         "default they run on the core that does not compute the arm's "
@@ -275,6 +283,12 @@ def main() -> None:
                  max_model_len=dep.max_model_len, taskset=True)
     seq: Proxy | None = None
     d2: Engine | None = None
+    traced: dict[str, Path] = {}
+    if args.step_trace:
+        shutil.rmtree(out / "steps", ignore_errors=True)  # the files are appended to
+        traced = {"aggregated": out / "steps" / "aggregated", "D": out / "steps" / "d"}
+        agg.env[STEP_TRACE_ENV] = str(traced["aggregated"])
+        dep.engines[1].env[STEP_TRACE_ENV] = str(traced["D"])
     started = time.monotonic()
     try:
         agg.start()
@@ -285,7 +299,11 @@ def main() -> None:
             d2 = Engine("d-no-landing", model, out / "logs" / "push-no-landing",
                         role="kv_consumer", cpu_bind=d.cpu_bind, kv_bytes=dep.kv_bytes,
                         max_model_len=dep.max_model_len, taskset=True,
-                        extra_config={**d.extra_config, "same_step_landing": False})
+                        extra_config={**d.extra_config, "same_step_landing": False},
+                        env=dict(d.env))
+            if args.step_trace:
+                traced["D without the landing"] = out / "steps" / "d-no-landing"
+                d2.env[STEP_TRACE_ENV] = str(traced["D without the landing"])
             d2.start()
         agg.wait_ready(timeout=900)
         ds = {dep.transfer_mode: d}
@@ -333,6 +351,12 @@ def main() -> None:
     for name, landed in D_LANDED.items():
         print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
               "before its workers' report (same_step_landing)")
+    for name, folder in traced.items():
+        # Warm-up rounds included. Aggregated's token #2 is its "second"
+        # step; D's is its "first, 1 token" (token #1 came from P).
+        rows, note = step_split.split_folder(folder)
+        print(f"\nWhere a step's time goes, {name} ({note}; {folder}), medians in ms:\n")
+        print(step_split.table(rows))
 
 
 if __name__ == "__main__":
