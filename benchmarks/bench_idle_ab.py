@@ -36,8 +36,9 @@ round's disaggregated TTFT over the same round's aggregated one, p50.
     python benchmarks/bench_idle_ab.py --transfer-mode push --ab-landing --rounds 30
 
 ``--ab-landing`` replaces push-seq with ``push-no-landing``: a second D on
-D's core with ``same_step_landing: false``, behind its own proxy, so the
-two D's are compared request by request in one run.
+D's core with ``same_step_landing: false``, behind its own proxy, while the
+main D runs with it on, so the two D's are compared request by request in
+one run (``--no-same-step-landing`` with it: the A/A run).
 
 Engines and proxies are started and ended by PID; logs and a JSON of every
 request stay under ``--out-dir``.
@@ -50,6 +51,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -57,6 +59,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_pd_ext import STEP_TRACE_ENV
+from vllm_pd_ext.tools import step_split
 from vllm_pd_ext.tools.launch import Engine, Proxy
 from vllm_pd_ext.tools.slo.breakdown import summarize_handoffs
 from vllm_pd_ext.tools.slo.client import run_point
@@ -98,14 +102,33 @@ def parse_args() -> argparse.Namespace:
                    help="push: instead of push-seq, a second D (same core as D, "
                         "same_step_landing false) behind its own proxy: the arm "
                         "push-no-landing, interleaved with push request by request")
-    p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_false",
-                   help="push: D leaves every load to its workers' report (the behaviour "
-                        "before same_step_landing), for a before/after run")
+    p.add_argument("--same-step-landing", choices=("on", "off"), default=None,
+                   help="push: the main D's same_step_landing (default: on with "
+                        "--ab-landing, the A/B; else the connector's default, off)")
+    p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_const",
+                   const="off", help="the same as --same-step-landing off (with "
+                                     "--ab-landing: the A/A run, both D's without it)")
+    p.add_argument("--step-trace", action="store_true",
+                   help="time each step's phases in the aggregated engine and the D's "
+                        "(VLLM_PD_EXT_STEP_TRACE) and print the split "
+                        "(tools/step_split.py); in push without --ab-landing, D's rows "
+                        "hold both push arms' requests")
     p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
                    help="leave the client and the proxies where the OS puts them (by "
                         "default they run on the core that does not compute the arm's "
                         "token #2: see pin_client)")
     return p.parse_args()
+
+
+def main_d_landing(args: argparse.Namespace) -> bool:
+    """The main D's ``same_step_landing``: as asked, else on for the A/B
+    (``--ab-landing``: against a second D without it) and the connector's
+    default (off) otherwise. Always given explicitly, so the arms do not
+    change meaning when that default does (it did once: ``--ab-landing``
+    then compared two D's without it)."""
+    if args.same_step_landing is not None:
+        return bool(args.same_step_landing == "on")
+    return bool(args.ab_landing)
 
 
 def client_core(name: str, cores: tuple[str, ...]) -> int:
@@ -254,12 +277,18 @@ def main() -> None:
     model = str(Path(args.model).resolve())
     tokenizer = AutoTokenizer.from_pretrained(model)
     dep = Deployment("disaggregated", model, out / "logs", transfer_mode=args.transfer_mode,
-                     d_extra={} if args.same_step_landing else {"same_step_landing": False})
+                     d_extra={"same_step_landing": main_d_landing(args)})
     agg = Engine("agg", model, out / "logs" / "aggregated", connector=None, role=None,
                  cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
                  max_model_len=dep.max_model_len, taskset=True)
     seq: Proxy | None = None
     d2: Engine | None = None
+    traced: dict[str, Path] = {}
+    if args.step_trace:
+        shutil.rmtree(out / "steps", ignore_errors=True)  # the files are appended to
+        traced = {"aggregated": out / "steps" / "aggregated", "D": out / "steps" / "d"}
+        agg.env[STEP_TRACE_ENV] = str(traced["aggregated"])
+        dep.engines[1].env[STEP_TRACE_ENV] = str(traced["D"])
     started = time.monotonic()
     try:
         agg.start()
@@ -270,7 +299,11 @@ def main() -> None:
             d2 = Engine("d-no-landing", model, out / "logs" / "push-no-landing",
                         role="kv_consumer", cpu_bind=d.cpu_bind, kv_bytes=dep.kv_bytes,
                         max_model_len=dep.max_model_len, taskset=True,
-                        extra_config={**d.extra_config, "same_step_landing": False})
+                        extra_config={**d.extra_config, "same_step_landing": False},
+                        env=dict(d.env))
+            if args.step_trace:
+                traced["D without the landing"] = out / "steps" / "d-no-landing"
+                d2.env[STEP_TRACE_ENV] = str(traced["D without the landing"])
             d2.start()
         agg.wait_ready(timeout=900)
         ds = {dep.transfer_mode: d}
@@ -318,6 +351,12 @@ def main() -> None:
     for name, landed in D_LANDED.items():
         print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
               "before its workers' report (same_step_landing)")
+    for name, folder in traced.items():
+        # Warm-up rounds included. Aggregated's token #2 is its "second"
+        # step; D's is its "first, 1 token" (token #1 came from P).
+        rows, note = step_split.split_folder(folder)
+        print(f"\nWhere a step's time goes, {name} ({note}; {folder}), medians in ms:\n")
+        print(step_split.table(rows))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,17 @@ CONNECTOR_NAME = "PDConnector"
 #: shared-memory queue readers though it loads no connector of ours
 #: (``compat/patches.py``, ``quiet_shm_spin_everywhere``).
 QUIET_SPIN_ENV = "VLLM_PD_EXT_QUIET_SHM_SPIN"
+#: Set to a folder in an engine's environment: its processes time each
+#: step's phases into it (``compat/step_trace.py``; a diagnostic).
+STEP_TRACE_ENV = "VLLM_PD_EXT_STEP_TRACE"
 
 
 def register() -> None:
     """Register ``PDConnector`` with vLLM (idempotent); with
     ``VLLM_PD_EXT_QUIET_SHM_SPIN=1``, also quiet vLLM's shared-memory queue
-    readers in this process, for engines that load no connector of ours.
+    readers in this process, for engines that load no connector of ours;
+    with ``VLLM_PD_EXT_STEP_TRACE=<dir>``, time each step's phases into
+    that folder (``compat/step_trace.py``, any engine).
     In ``vllm serve``'s own process, which starts several API servers with
     ``--api-server-count N``, give its SIGTERM the drain window
     (``compat/serve_parent.py``): vLLM loads plugins there while it builds
@@ -37,7 +42,7 @@ def register() -> None:
     from vllm_pd_ext.compat import register_connector, serve_parent
 
     register_connector(CONNECTOR_NAME, "vllm_pd_ext.connector", CONNECTOR_NAME)
-    if os.environ.get(QUIET_SPIN_ENV) == "1":
+    if os.environ.get(QUIET_SPIN_ENV) == "1" or os.environ.get(STEP_TRACE_ENV):
         from vllm_pd_ext.compat import patches
 
         patches.apply_once(patches.Process.PLUGIN)

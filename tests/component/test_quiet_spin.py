@@ -158,14 +158,16 @@ def test_the_plugin_hook_quiets_new_readers_only_when_asked(monkeypatch: pytest.
                         shm_broadcast.SpinCondition.__init__)  # undone after the test
     monkeypatch.setattr(patches, "_once", {})
     monkeypatch.delenv(vllm_pd_ext.QUIET_SPIN_ENV, raising=False)
+    monkeypatch.delenv(vllm_pd_ext.STEP_TRACE_ENV, raising=False)
     vllm_pd_ext.register()
     assert not getattr(shm_broadcast.SpinCondition.__init__, "_pd_ext_quiet", False)
     monkeypatch.setattr(patches, "_once", {})
     monkeypatch.setenv(vllm_pd_ext.QUIET_SPIN_ENV, "1")
     vllm_pd_ext.register()
     assert getattr(shm_broadcast.SpinCondition.__init__, "_pd_ext_quiet", False)
-    outcome, = patches._once[patches.Process.PLUGIN]
-    assert (outcome.name, outcome.status) == ("quiet_shm_spin_everywhere", "applied")
+    # The hook's other patch, the step trace, is off without its variable.
+    assert {o.name: o.status for o in patches._once[patches.Process.PLUGIN]} == {
+        "quiet_shm_spin_everywhere": "applied", "step_trace": "skipped"}
 
 
 @pytest.mark.parametrize("spin_while_computing", [False, True])

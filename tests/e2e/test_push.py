@@ -16,6 +16,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,8 +44,10 @@ from tests.e2e.helpers import (
     token_prompt,
 )
 from tests.e2e.test_pull import CASES
+from vllm_pd_ext import STEP_TRACE_ENV
 from vllm_pd_ext.testing.engines import Engine, Proxy
 from vllm_pd_ext.testing.oracle import stream_output
+from vllm_pd_ext.tools import step_split
 
 pytestmark = pytest.mark.engine
 
@@ -72,7 +75,10 @@ def push(model: str) -> Iterator[dict[str, Any]]:
                                   "transfer_timeout": D_TRANSFER_TIMEOUT_S,
                                   # Opt-in: every push test here runs D's
                                   # landing path (d_recompute the default).
-                                  "same_step_landing": True}),
+                                  "same_step_landing": True},
+                    # The step-phase trace (a diagnostic) on a D every test
+                    # here checks: it must not change an answer.
+                    env={STEP_TRACE_ENV: str(logs / "steps-d-push")}),
         "d_recompute": Engine("d-push-recompute", model, logs, role="kv_consumer",
                               cpu_bind="1", failure_policy="recompute",
                               extra_config={"transfer_mode": "push"}),
@@ -353,6 +359,49 @@ def text_prompt(n_words: int, seed: int) -> str:
     words = ["block", "cache", "token", "prefill", "decode", "lease", "write", "stream",
              "engine", "proxy", "layer", "head", "tiny", "model", "vector", "page"]
     return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n_words))
+
+
+def test_step_trace_splits_d_first_step_after_the_load(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """The step-phase trace (``VLLM_PD_EXT_STEP_TRACE``, compat/step_trace.py)
+    on a real D behind the default (concurrent) push flow: one request whose
+    token #1 came from P adds exactly one ``first, 1 token`` step to D's
+    split (token #2, computed over the pushed KV), then its decode steps,
+    each phase timed; the KV really moved and the answer is the collocated
+    engine's."""
+    d = push["d"]
+    folder = Path(d.env[STEP_TRACE_ENV])
+
+    def kinds() -> dict[str, int]:
+        if not folder.exists():
+            return {}
+        steps = step_split.classify(step_split.cut_steps(
+            [e for evs in step_split.read_folder(folder).values() for e in evs]))
+        return {k: sum(1 for s in steps if s.kind == k) for k in step_split.KINDS}
+
+    body = completion_body(model, text_prompt(90, seed=907), max_tokens=6, ignore_eos=True)
+    _, want = ref.post("/v1/completions", body)
+    before, m0 = kinds(), d.metrics()
+    got = send_completion(push["proxy"].url, body, "step-trace")
+    m1 = d.metrics()
+    assert_same_as_reference(ref, got, want)
+    assert delta(m0, m1, EXTERNAL) == want["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 10
+    while kinds().get("later", 0) < before.get("later", 0) + 4 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the trace's last lines follow the answer
+    after = kinds()
+    assert after.get("first, 1 token", 0) - before.get("first, 1 token", 0) == 1
+    assert after.get("first, prefill", 0) == before.get("first, prefill", 0)  # D computed no prompt
+    # Six tokens: #1 from P, #2 in the first step, #3 in the second, #4 to #6 later.
+    assert after.get("second", 0) - before.get("second", 0) == 1
+    assert after.get("later", 0) - before.get("later", 0) == 3
+    rows, note = step_split.split_folder(folder)
+    first = rows["first, 1 token"]
+    for phase in ("schedule", "to worker", "admit", "prepare", "forward", "sample", "step"):
+        value = first[phase]
+        assert isinstance(value, float) and value > 0, (phase, first, note)
+    step = first["step"]
+    assert isinstance(step, float) and step >= first["forward"]  # type: ignore[operator]
 
 
 def test_concurrent_dispatch_streams_token_one_from_p_and_d_loads_the_kv(

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from vllm_pd_ext import STEP_TRACE_ENV
 from vllm_pd_ext.testing import gpu_check
 from vllm_pd_ext.testing import gpu_report as gr
 from vllm_pd_ext.tools.launch import Engine
@@ -70,6 +71,36 @@ def test_two_gpus_plan_and_a_passing_report(tmp_path: Path,
     out = capsys.readouterr().out
     assert "| pull | 32000 |" in out and "# GPU check: PASS" in out
     assert (tmp_path / "report.md").read_text() in out
+    # The step-phase trace: the reference and each D, never P.
+    for name, e in all_engines.items():
+        want = None if name.startswith("p-") else str(tmp_path / "steps" / name)
+        assert e["env"].get(STEP_TRACE_ENV) == want, name
+    assert report["steps"] == {n: "not run (dry run)" for n in ("ref", "d-pull", "d-push")}
+    assert "## Where a step's time goes (medians, ms)" in out
+    assert "- d-push: not run (dry run)" in out
+
+
+def test_no_step_trace_leaves_it_out(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    rc, plan, report = dry(tmp_path, "--no-step-trace")
+    assert rc == 0
+    assert all(STEP_TRACE_ENV not in e["env"] for e in engines(plan).values())
+    assert report["steps"] == {}
+    assert "Where a step's time goes" not in capsys.readouterr().out
+
+
+def test_the_step_section_puts_each_traced_engine_split_in_the_report() -> None:
+    rows = {"first, 1 token": {"steps": 3, "forward": 4.5, "step": 9.25, "admit": None}}
+    text = gr.render_steps({"ref": "no trace (no worker events)", "d-push": (rows, "pids")})
+    assert "- ref: no trace (no worker events)" in text
+    assert "d-push (pids):" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| first, 1 token"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    header = [c.strip() for c in next(
+        ln for ln in text.splitlines() if ln.startswith("| step |")).strip("|").split("|")]
+    got = dict(zip(header, cells, strict=True))
+    assert (got["steps"], got["forward"], got["step"], got["admit"]) == ("3", "4.50", "9.25", "")
+    assert gr.render_steps({}) == ""
 
 
 def test_one_gpu_plan_shares_it_and_clips_prompts(tmp_path: Path) -> None:

@@ -51,3 +51,24 @@ def test_idle_is_never_faster_than_the_configured_period(fast: float) -> None:
 def test_defaults_come_from_the_module() -> None:
     pace = PumpPace(0.001, clock=Clock())
     assert (pace.idle_s, pace.linger_s) == (pump_bell.IDLE_INTERVAL_S, pump_bell.LINGER_S)
+
+
+def test_pending_work_keeps_the_pump_fast_and_shortens_the_linger() -> None:
+    """A push D's pump: fast while WRITEs are expected, then only
+    ``PENDING_LINGER_S`` after the last sign of work, not 10 s (each wake-up
+    takes the core from D's decode steps)."""
+    clock = Clock()
+    waiting = [False]
+    pace = PumpPace(0.001, idle_s=0.02, clock=clock, pending=lambda: waiting[0])
+    assert pace.linger_s == pump_bell.PENDING_LINGER_S < pump_bell.LINGER_S
+    clock.t += pump_bell.PENDING_LINGER_S + 0.01
+    assert pace.interval() == 0.02
+    waiting[0] = True
+    clock.t += 60.0  # however long the wait for P's WRITE
+    assert not pace.fast and pace.interval() == 0.001
+    waiting[0] = False
+    assert pace.interval() == 0.02
+    pace.hurry()  # a notification collected, a ring
+    assert pace.interval() == 0.001
+    clock.t += pump_bell.PENDING_LINGER_S + 0.01
+    assert pace.interval() == 0.02

@@ -70,3 +70,45 @@ def test_without_a_bell_the_pump_keeps_its_period(transport: NixlTransport) -> N
     window = 0.6
     # More rounds than an idle pump could run (it would be at most window / IDLE + 2).
     assert rounds_during(transport, window) > window / IDLE + 2
+
+
+def test_a_poke_wakes_an_idle_pump_and_expected_work_keeps_it_fast(
+        transport: NixlTransport) -> None:
+    """``Bell.poke`` (the worker, when it starts expecting a WRITE) wakes an
+    idle pump as a ring does, and ``pending`` keeps it fast past the linger."""
+    bell = Bell()
+    waiting = [False]
+    transport.start_progress_pump(0.001, keep_notifs=False, bell=bell,
+                                  pending=lambda: waiting[0])
+    time.sleep(pump_bell.PENDING_LINGER_S + 0.05)  # idle (nothing pending)
+    window = 0.4
+    idle = rounds_during(transport, window)
+    assert idle <= window / IDLE + 2, idle
+    waiting[0] = True
+    bell.poke()
+    time.sleep(pump_bell.PENDING_LINGER_S + 0.05)  # past any linger: pending alone
+    fast = rounds_during(transport, window)
+    assert fast > 2 * (window / IDLE + 2), (fast, idle)
+    assert bell.num_rings >= 1
+    waiting[0] = False
+    time.sleep(pump_bell.PENDING_LINGER_S + 0.05)
+    assert rounds_during(transport, window) <= window / IDLE + 2
+    transport.close()
+    bell.poke()  # after close: nothing, no error
+
+
+def test_the_pump_rests_while_the_worker_computes(transport: NixlTransport) -> None:
+    """``rest_pump(True)`` (a step that computes started) holds a fast pump
+    to the idle pace at most; ``rest_pump(False)`` (the step ended) frees it
+    at once."""
+    bell = Bell()
+    transport.start_progress_pump(0.001, keep_notifs=False, bell=bell,
+                                  pending=lambda: True)
+    window = 0.4
+    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)
+    transport.rest_pump(True)
+    time.sleep(0.05)
+    resting = rounds_during(transport, window)
+    assert resting <= window / IDLE + 2, resting
+    transport.rest_pump(False)
+    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)

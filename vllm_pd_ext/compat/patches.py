@@ -31,7 +31,13 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 from vllm_pd_ext import QUIET_SPIN_ENV
-from vllm_pd_ext.compat import VLLM_VERSION, is_cpu_platform, omp_threads_bind, serve_parent
+from vllm_pd_ext.compat import (
+    VLLM_VERSION,
+    is_cpu_platform,
+    omp_threads_bind,
+    serve_parent,
+    step_trace,
+)
 from vllm_pd_ext.compat import engine as engine_patches
 from vllm_pd_ext.compat import serving as serving_patches
 from vllm_pd_ext.compat.affinity import bind_engine_core
@@ -191,6 +197,16 @@ def _apply_quiet_new_readers(ctx: Context) -> str:
     return "shared-memory queue readers created from now on wait on notifications"
 
 
+def _apply_step_trace(ctx: Context) -> str:
+    import os
+
+    directory = os.environ.get(step_trace.STEP_TRACE_ENV, "")
+    if not directory:
+        raise Skip(f"{step_trace.STEP_TRACE_ENV} is not set")
+    events = step_trace.install(directory)
+    return f"step phases ({', '.join(events)}) timed into {directory}/steps-<pid>.log"
+
+
 def _apply_shutdown_hook(ctx: Context) -> str:
     if ctx.on_shutdown is None:
         raise Skip("no callback")
@@ -283,6 +299,16 @@ PATCHES: tuple[Patch, ...] = (
                     "local_notify_socket"),
              _needs(f"{_SHM}.SpinCondition", "def wait")),
         _apply_quiet_new_readers),
+    Patch(
+        "step_trace", ", ".join(f"{c.rpartition('.')[2]}.{m}" for c, m, _ in step_trace.TRACED)
+        + " (wrapped: a timestamp at each call's begin and end)",
+        _V, (Process.PLUGIN,),
+        f"opt-in ({step_trace.STEP_TRACE_ENV}=<dir>): where a step's time goes, e.g. D's "
+        "first step after a KV load against its decode steps (issue 29)",
+        _all(*(_needs(f"{c}.{m}", f"def {m}(") for c, m, _ in step_trace.TRACED),
+             _needs("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens",
+                    "scheduled_new_reqs")),
+        _apply_step_trace),
     Patch(
         "engine_shutdown_hook", "vllm.v1.engine.core SIGTERM/SIGINT handler (chained)",
         _V, (Process.ENGINE_CORE,),

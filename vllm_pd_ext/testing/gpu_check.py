@@ -37,7 +37,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from vllm_pd_ext import STEP_TRACE_ENV
 from vllm_pd_ext.testing import gpu_report as gr
+from vllm_pd_ext.tools import step_split
 from vllm_pd_ext.tools.launch import Engine, Proxy
 from vllm_pd_ext.tools.sizing.formula import handoff, load_config, spec_from_config
 
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strict-transport", action="store_true",
                     help="fail, not warn, when the KV did not take cuda_ipc or RDMA")
     ap.add_argument("--timeout", type=float, default=900.0, help="per engine start, seconds")
+    ap.add_argument("--no-step-trace", dest="step_trace", action="store_false",
+                    help="leave out the reference's and the D's step-phase trace "
+                         "(VLLM_PD_EXT_STEP_TRACE; the report's 'Where a step's time goes')")
     return ap
 
 
@@ -130,11 +135,15 @@ def make_plan(args: argparse.Namespace, gpus: list[str], model: str) -> Plan:
 
     def engine(name: str, gpu: str, connector: str | None, role: str | None,
                mode: str | None) -> Engine:
+        # The reference's token #2 step beside D's first step after a load
+        # (issue 29's gap): one request at a time, so the trace is cheap.
+        traced = ({STEP_TRACE_ENV: str(args.work_dir / "steps" / name)}
+                  if args.step_trace and role != "kv_producer" else {})
         return Engine(name, model, log, connector=connector, role=role,
                       extra_config={"transfer_mode": mode} if mode else {},
                       max_model_len=args.max_model_len, device="cuda",
                       gpu_memory_utilization=util, cuda_devices=gpu, extra_args=list(extra),
-                      env=dict(env))
+                      env={**env, **traced})
 
     cap = args.max_model_len - args.max_tokens
     prompts = sorted({min(int(n), cap) for n in args.prompt_tokens.split(",")})
@@ -289,6 +298,26 @@ def run_live(plan: Plan, args: argparse.Namespace, model: str, spec: Any,
     return cases, transports, errors
 
 
+def step_splits(plan: Plan, args: argparse.Namespace
+                ) -> dict[str, tuple[dict[str, dict[str, float | int | None]], str] | str]:
+    """Engine name -> its step split and note (``tools/step_split.py``), or
+    why there is none; only the engines the plan traced."""
+    out: dict[str, tuple[dict[str, dict[str, float | int | None]], str] | str] = {}
+    engines = [plan.ref, *(d for _, d in plan.pairs.values())]
+    for e in engines:
+        folder = e.env.get(STEP_TRACE_ENV)
+        if folder is None:
+            continue
+        if args.dry_run:
+            out[e.name] = "not run (dry run)"
+            continue
+        try:
+            out[e.name] = step_split.split_folder(Path(folder))
+        except (OSError, ValueError) as exc:
+            out[e.name] = f"no trace ({exc})"
+    return out
+
+
 def synthetic(plan: Plan, spec: Any, block_size: int, kind: str
               ) -> tuple[list[gr.Case], dict[str, Any], list[str]]:
     """A result set shaped like a run's: all good, or (``fail``) one output
@@ -347,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             "model": f"{model} ({asdict(spec)}, {spec.bytes_per_token} B/token)",
             "started": started, "seconds": round(time.time() - started, 1)}
     report = gr.judge(cases, transports, meta, errors, args.strict_transport)
-    (args.work_dir / "report.json").write_text(json.dumps({**report.to_json(),
-                                                           "plan": described}, indent=1))
-    text = gr.render(report)
+    steps = step_splits(plan, args)
+    (args.work_dir / "report.json").write_text(json.dumps(
+        {**report.to_json(), "plan": described,
+         "steps": {k: v if isinstance(v, str) else v[0] for k, v in steps.items()}}, indent=1))
+    text = gr.render(report) + gr.render_steps(steps)
     (args.work_dir / "report.md").write_text(text)
     print("\n" + text)
     return report.exit_code

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_pd_ext.tools import step_split
+
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 
 #: UCX transports that move GPU memory without staging it through host
@@ -206,3 +208,21 @@ def render(report: Report) -> str:
         lines.append(f"- {ch.verdict} {case.mode} {case.prompt_tokens} tokens, {ch.name}: "
                      f"{ch.detail}")
     return "\n".join(lines) + "\n"
+
+
+def render_steps(splits: Mapping[str, tuple[Mapping[str, Mapping[str, float | int | None]], str]
+                                 | str]) -> str:
+    """The report's step-phase section (``VLLM_PD_EXT_STEP_TRACE``): per
+    traced engine, its split by kind of step, or why there is none. Read
+    the reference's ``second`` row (its token #2) against each D's ``first,
+    1 token`` (token #2 after the KV load: issue 29's gap)."""
+    if not splits:
+        return ""
+    lines = ["", "## Where a step's time goes (medians, ms)", ""]
+    for name, got in splits.items():
+        if isinstance(got, str):
+            lines += [f"- {name}: {got}", ""]
+            continue
+        rows, note = got
+        lines += [f"{name} ({note}):", "", step_split.table(rows), ""]
+    return "\n".join(lines)

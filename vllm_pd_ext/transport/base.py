@@ -11,7 +11,7 @@ Contract (who calls what, on which thread, in which order):
    ``PDWorker.register_kv_caches`` on the worker's step thread, after vLLM
    allocated the KV cache. Raises ``TransportError`` if the memory cannot
    be registered.
-2. ``start_progress_pump(interval_s, keep_notifs, on_notif, bell)``: right after, on the
+2. ``start_progress_pump(interval_s, keep_notifs, on_notif, bell, pending)``: right after, on the
    transfer's target only (P's worker in pull mode, D's in push mode) and
    only when NIXL's own progress thread is off and
    ``nixl_progress_interval_ms`` > 0. ``keep_notifs`` is False in pull mode,
@@ -159,14 +159,24 @@ class Transport(abc.ABC):
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
                             on_notif: Callable[[list[bytes]], None] | None = None,
-                            bell: Bell | None = None) -> None:
+                            bell: Bell | None = None,
+                            pending: Callable[[], bool] | None = None) -> None:
         """Make progress as a transfer target without the engine stepping;
         ``on_notif`` is called from the pump's thread with the notifications
         it kept (D's push worker forwards them to its scheduler with it); with ``bell``
         the pump slows down while no peer works with us and the bell wakes
-        it (``wire/pump_bell.py``); the pump then owns and closes the bell."""
+        it (``wire/pump_bell.py``); the pump then owns and closes the bell.
+        ``pending`` (with ``bell``): work is expected while it returns True
+        (a push D's WRITEs); the pump stays fast then and lingers briefly
+        after (``PumpPace``)."""
         if bell is not None:
             bell.close()
+
+    def rest_pump(self, resting: bool) -> None:
+        """This worker's step computes (True), or ended (False): the progress
+        pump need not wake while it computes, since the step collects what
+        arrived when it ends (``take_notifs``). No pump here: nothing to do."""
+        return
 
     @abc.abstractmethod
     def close(self) -> None: ...

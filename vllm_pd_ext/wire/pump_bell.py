@@ -29,6 +29,7 @@ scheduler creates one ``BellRinger`` for all ranks in
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,13 @@ LINGER_S = 10.0
 #: A ringer sends at most one ring per this period: a ring makes the pump
 #: fast for ``LINGER_S``, so more would change nothing.
 RING_EVERY_S = 1.0
+#: A pump that knows when work is pending (``pending``: a push D's expected
+#: WRITEs) lingers only one idle period after the last sign of work: each
+#: timed wake-up of the pump's thread preempts the step on the worker's
+#: core and takes the GIL. On CPU, D's decode step took 6.4 ms with the pump
+#: at 1 ms through the 10 s linger, 4.7 ms at 20 ms (tiny model, 300 tokens;
+#: docs/slo.md, "The gap, fifth step").
+PENDING_LINGER_S = 0.02
 
 
 class PumpPace:
@@ -50,10 +58,16 @@ class PumpPace:
 
     def __init__(self, fast_s: float, idle_s: float | None = None,
                  linger_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 pending: Callable[[], bool] | None = None) -> None:
         self.fast_s = fast_s
         self.idle_s = max(IDLE_INTERVAL_S if idle_s is None else idle_s, fast_s)
-        self.linger_s = LINGER_S if linger_s is None else linger_s
+        #: ``pending`` (read on the pump's thread: it must be cheap and
+        #: thread-safe) keeps the pump fast while it is true; then the
+        #: linger after other signs of work is ``PENDING_LINGER_S``.
+        self._pending = pending
+        default_linger = LINGER_S if pending is None else PENDING_LINGER_S
+        self.linger_s = default_linger if linger_s is None else linger_s
         self._clock = clock
         # Fast from the start: the engine's first peer usually comes at once.
         self._fast_until = clock() + self.linger_s
@@ -66,7 +80,9 @@ class PumpPace:
         return self._clock() < self._fast_until
 
     def interval(self) -> float:
-        return self.fast_s if self.fast else self.idle_s
+        if self.fast or (self._pending is not None and self._pending()):
+            return self.fast_s
+        return self.idle_s
 
 
 class Bell:
@@ -81,24 +97,51 @@ class Bell:
         self._pull.setsockopt(zmq.MAXMSGSIZE, 1024)
         port = self._pull.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
+        # ``poke``: this process's own ring, through a pipe (any thread may
+        # write one; no zmq socket is shared between threads).
+        self._poke_r, self._poke_w = os.pipe()
+        os.set_blocking(self._poke_r, False)
+        os.set_blocking(self._poke_w, False)
+        self._poke_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
+        self._poller.register(self._poke_r, zmq.POLLIN)
         self.num_rings = 0
 
     def wait(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s``; True if rung (queued rings drained)."""
-        rung = bool(self._poller.poll(max(1, round(timeout_s * 1e3))))
-        while rung:
-            try:
-                self._pull.recv(zmq.NOBLOCK)
-            except zmq.ZMQError:
-                break
+        """Block up to ``timeout_s``; True if rung or poked (queued ones drained)."""
+        events = dict(self._poller.poll(max(1, round(timeout_s * 1e3))))
+        if self._pull in events:
+            while True:
+                try:
+                    self._pull.recv(zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+        if self._poke_r in events:
+            with contextlib.suppress(OSError):
+                os.read(self._poke_r, 4096)
+        rung = bool(events)
         self.num_rings += rung
         return rung
+
+    def poke(self) -> None:
+        """Ring from this process (the worker, when it starts expecting a
+        WRITE): the pump wakes now, as on a ring. Any thread; after
+        ``close``, nothing."""
+        with self._poke_lock:
+            if self._poke_w < 0:
+                return
+            # A full pipe: a poke is already waiting.
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._poke_w, b"p")
 
     def close(self) -> None:
         self._pull.close()
         self._ctx.term()
+        with self._poke_lock:
+            os.close(self._poke_r)
+            os.close(self._poke_w)
+            self._poke_r = self._poke_w = -1
 
 
 class BellRinger:

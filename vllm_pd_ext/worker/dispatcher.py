@@ -143,7 +143,11 @@ class PDWorker:
             # Only push's receiver takes notifications; in pull they would pile up.
             self.transport.start_progress_pump(
                 self.cfg.nixl_progress_interval_ms / 1e3, keep_notifs=push,
-                on_notif=self._on_notif if self.waker is not None else None, bell=self.bell)
+                on_notif=self._on_notif if self.waker is not None else None, bell=self.bell,
+                # A push D (not read from: no multi-turn) knows when work is
+                # due: fast while it expects WRITEs, not for 10 s after each.
+                pending=(self._expects_writes if push and kv_cfg.is_kv_consumer
+                         and not self.cfg.bidirectional_kv_xfer else None))
         if push and kv_cfg.is_kv_producer:
             own = (self.cfg.advertised_host,
                    compat.side_channel_port(self.vllm_config, self.cfg.side_channel_port))
@@ -160,6 +164,11 @@ class PDWorker:
         logger.info("PDConnector: worker rank %d registered %d KV regions (%d blocks, %d B "
                     "per block) with %s", self.tp_rank, len(self.regions), num_blocks,
                     self.regions[0].block_len, type(self.transport).__name__)
+
+    def _expects_writes(self) -> bool:
+        """Read on the pump's thread: this rank waits for a WRITE."""
+        receiver = self.receiver
+        return receiver is not None and receiver.num_waiting > 0
 
     def _on_notif(self, notifs: list[bytes]) -> None:
         """The progress pump kept WRITE notifications: the scheduler may
@@ -190,6 +199,9 @@ class PDWorker:
     # ------------------------------------------------------------- per step
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:
         self._idle_step = meta is not None and meta.idle
+        if self.transport is not None and meta is not None and not meta.idle:
+            # Until get_transfer_results, which collects what arrived.
+            self.transport.rest_pump(True)
         if meta is not None:
             for rid, (reason, why) in meta.reqs_to_fail.items():
                 self._fail_now(rid, [], FailureReason(reason), why)
@@ -199,8 +211,13 @@ class PDWorker:
                     reader.expect(spec)
             if self.receiver is not None:
                 now = time.monotonic()
+                expected = self.receiver.num_waiting
                 for push_spec in meta.push_recv:
                     self.receiver.expect(push_spec, now)
+                if not expected and self.receiver.num_waiting and self.bell is not None:
+                    # The pump may be at its idle pace: it must see these
+                    # WRITEs land at once.
+                    self.bell.poke()
                 for rid, (reason, why) in meta.push_fail.items():
                     # Already reported as landed: never report a request twice.
                     if self.receiver.drop(rid):
@@ -281,6 +298,8 @@ class PDWorker:
 
     # ------------------------------------------------------------- results
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        if self.transport is not None:
+            self.transport.rest_pump(False)  # the forward ended
         if self._idle_step:
             self._idle_step = False
             self._await_pull(self.cfg.pull_report_wait_ms / 1e3)
