@@ -1,6 +1,6 @@
 """A push D worker drives its progress pump's pace (wire/pump_bell.py):
 fast while it expects a WRITE (``pending``), poked awake when it starts
-expecting one, resting while a step computes. FakeTransport records what
+expecting one. FakeTransport records what
 the worker asks of the pump; the pump itself is tested on a real NIXL agent
 (``tests/transport/test_nixl_pump_pace.py``)."""
 
@@ -24,16 +24,12 @@ class PumpRecorder(FakeTransport):
         super().__init__(*args, **kw)
         self.pending: Callable[[], bool] | None = None
         self.pump_started = False
-        self.rests: list[bool] = []
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
                             on_notif: Any = None, bell: Any = None,
                             pending: Callable[[], bool] | None = None) -> None:
         # The bell stays open: the test reads its pokes (the worker closes it).
         self.pump_started, self.pending = True, pending
-
-    def rest_pump(self, resting: bool) -> None:
-        self.rests.append(resting)
 
 
 def make_worker(extra: dict[str, Any]) -> tuple[PDWorker, PumpRecorder]:
@@ -82,18 +78,6 @@ def test_pump_is_fast_while_a_write_is_expected_and_poked_when_one_starts(
         push_fail={"a": ("timeout", "t"), "b": ("timeout", "t")}, idle=True))
     worker.get_transfer_results()
     assert not pending()
-
-
-def test_pump_rests_from_a_computing_step_start_to_its_results(
-        push_d: tuple[PDWorker, PumpRecorder]) -> None:
-    worker, transport = push_d
-    worker.start_load_kv(PDConnectorMetadata(idle=True))  # computes nothing: no rest
-    worker.get_transfer_results()
-    assert transport.rests == [False]
-    worker.start_load_kv(PDConnectorMetadata())
-    assert transport.rests == [False, True]
-    worker.get_transfer_results()
-    assert transport.rests == [False, True, False]
 
 
 def test_multi_turn_d_keeps_the_long_linger() -> None:

@@ -96,19 +96,3 @@ def test_a_poke_wakes_an_idle_pump_and_expected_work_keeps_it_fast(
     transport.close()
     bell.poke()  # after close: nothing, no error
 
-
-def test_the_pump_rests_while_the_worker_computes(transport: NixlTransport) -> None:
-    """``rest_pump(True)`` (a step that computes started) holds a fast pump
-    to the idle pace at most; ``rest_pump(False)`` (the step ended) frees it
-    at once."""
-    bell = Bell()
-    transport.start_progress_pump(0.001, keep_notifs=False, bell=bell,
-                                  pending=lambda: True)
-    window = 0.4
-    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)
-    transport.rest_pump(True)
-    time.sleep(0.05)
-    resting = rounds_during(transport, window)
-    assert resting <= window / IDLE + 2, resting
-    transport.rest_pump(False)
-    assert rounds_during(transport, window) > 2 * (window / IDLE + 2)

@@ -172,11 +172,5 @@ class Transport(abc.ABC):
         if bell is not None:
             bell.close()
 
-    def rest_pump(self, resting: bool) -> None:
-        """This worker's step computes (True), or ended (False): the progress
-        pump need not wake while it computes, since the step collects what
-        arrived when it ends (``take_notifs``). No pump here: nothing to do."""
-        return
-
     @abc.abstractmethod
     def close(self) -> None: ...

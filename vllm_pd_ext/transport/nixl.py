@@ -17,7 +17,7 @@ from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.transport.base import Transport, TransportError, XferState
 from vllm_pd_ext.transport.coalesce import Descriptor
 from vllm_pd_ext.transport.ucx_env import explain_backend_failure
-from vllm_pd_ext.wire.pump_bell import IDLE_INTERVAL_S, Bell, PumpPace
+from vllm_pd_ext.wire.pump_bell import Bell, PumpPace
 
 logger = get_logger(__name__)
 
@@ -70,9 +70,6 @@ class NixlTransport(Transport):
         self._pump: threading.Thread | None = None
         #: Rounds the progress pump ran (tests read its pace from it).
         self.num_pump_rounds = 0
-        #: Set while the worker's step does not compute (``rest_pump``).
-        self._rest_over = threading.Event()
-        self._rest_over.set()
 
     def start_progress_pump(self, interval_s: float, keep_notifs: bool = True,
                             on_notif: Callable[[list[bytes]], None] | None = None,
@@ -98,13 +95,6 @@ class NixlTransport(Transport):
 
         def wait() -> bool:
             """Sleep one period; True to stop."""
-            if not self._rest_over.is_set():
-                # The worker computes, and collects at the step's end. A
-                # timed wake-up now takes the core from the forward (on CPU
-                # D's decode step was 6.4 ms with the pump at 1 ms, 4.7 ms at
-                # 20 ms); the idle pace bounds the rest, so a long step (a
-                # prefill) still progresses UCX.
-                self._rest_over.wait(max(interval_s, IDLE_INTERVAL_S))
             if bell is None or pace is None:
                 return self._pump_stop.wait(interval_s)
             if bell.wait(pace.interval()):
@@ -131,12 +121,6 @@ class NixlTransport(Transport):
 
         self._pump = threading.Thread(target=run, name="pd-nixl-progress", daemon=True)
         self._pump.start()
-
-    def rest_pump(self, resting: bool) -> None:
-        if resting:
-            self._rest_over.clear()
-        else:
-            self._rest_over.set()
 
     def _collect_notifs(self) -> list[bytes]:
         """The notifications kept now (none: nothing new, or not kept)."""

@@ -199,9 +199,6 @@ class PDWorker:
     # ------------------------------------------------------------- per step
     def start_load_kv(self, meta: PDConnectorMetadata | None) -> None:
         self._idle_step = meta is not None and meta.idle
-        if self.transport is not None and meta is not None and not meta.idle:
-            # Until get_transfer_results, which collects what arrived.
-            self.transport.rest_pump(True)
         if meta is not None:
             for rid, (reason, why) in meta.reqs_to_fail.items():
                 self._fail_now(rid, [], FailureReason(reason), why)
@@ -298,8 +295,6 @@ class PDWorker:
 
     # ------------------------------------------------------------- results
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
-        if self.transport is not None:
-            self.transport.rest_pump(False)  # the forward ended
         if self._idle_step:
             self._idle_step = False
             self._await_pull(self.cfg.pull_report_wait_ms / 1e3)
