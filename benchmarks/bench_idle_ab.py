@@ -109,7 +109,7 @@ def parse_args() -> argparse.Namespace:
                    const="off", help="the same as --same-step-landing off (with "
                                      "--ab-landing: the A/A run, both D's without it)")
     p.add_argument("--step-trace", action="store_true",
-                   help="time each step's phases in the aggregated engine and the D's "
+                   help="time each step's phases in the aggregated engine, P and the D's "
                         "(VLLM_PD_EXT_STEP_TRACE) and print the split "
                         "(tools/step_split.py); in push without --ab-landing, D's rows "
                         "hold both push arms' requests")
@@ -286,8 +286,10 @@ def main() -> None:
     traced: dict[str, Path] = {}
     if args.step_trace:
         shutil.rmtree(out / "steps", ignore_errors=True)  # the files are appended to
-        traced = {"aggregated": out / "steps" / "aggregated", "D": out / "steps" / "d"}
+        traced = {"aggregated": out / "steps" / "aggregated", "P": out / "steps" / "p",
+                  "D": out / "steps" / "d"}
         agg.env[STEP_TRACE_ENV] = str(traced["aggregated"])
+        dep.engines[0].env[STEP_TRACE_ENV] = str(traced["P"])
         dep.engines[1].env[STEP_TRACE_ENV] = str(traced["D"])
     started = time.monotonic()
     try:
@@ -353,7 +355,8 @@ def main() -> None:
               "before its workers' report (same_step_landing)")
     for name, folder in traced.items():
         # Warm-up rounds included. Aggregated's token #2 is its "second"
-        # step; D's is its "first, 1 token" (token #1 came from P).
+        # step; D's is its "first, 1 token" (token #1 came from P). P's
+        # "first, prefill" beside aggregated's: the same prefill, one core.
         rows, note = step_split.split_folder(folder)
         print(f"\nWhere a step's time goes, {name} ({note}; {folder}), medians in ms:\n")
         print(step_split.table(rows))

@@ -131,3 +131,19 @@ def test_describe_step_lists_a_small_step_and_counts_a_large_one() -> None:
     assert json.loads(step_trace.describe_step(Out())) == {
         "requests": step_trace.MAX_LISTED + 1, "new_count": 1,
         "total": step_trace.MAX_LISTED + 1}
+
+
+def test_a_prefill_in_chunks_is_not_the_second_step(tmp_path: Path) -> None:
+    """A prompt longer than one step's token budget: its later chunks are
+    ``prefill chunk``; token #2's step is still ``second``."""
+    write_trace(tmp_path, [
+        ({"long": 2048}, ["long"]),
+        ({"long": 1952}, []),
+        ({"long": 1}, []),
+        ({"long": 1}, []),
+        ({"x": 1, "long": 1}, ["x"]),  # a batch: x's "second" is a later one
+        ({"x": 1}, []),
+    ])
+    rows, _ = step_split.split_folder(tmp_path)
+    assert {k: r["steps"] for k, r in rows.items()} == {
+        "first, prefill": 1, "prefill chunk": 1, "second": 1, "later": 2, "batch": 1}

@@ -13,9 +13,12 @@ one request at a time; steps of several requests count as ``batch``):
 - ``first, 1 token``: the request's first step computes one token: D's
   step after a KV load (token #2 when token #1 came from P), or a prompt
   all in the prefix cache but its last token;
-- ``first, prefill``: the request's first step computes its prompt;
-- ``second``: its second step (the collocated engine's token #2);
-- ``later``: its decode steps after that.
+- ``first, prefill``: the request's first step computes its prompt (or
+  its first chunk);
+- ``prefill chunk``: a later step of a prompt longer than one step takes;
+- ``second``: its first one-token step after its first step and any
+  prefill chunks (the collocated engine's token #2; D's token #3);
+- ``later``: its one-token steps after that.
 
 Phases: ``schedule``; ``to worker`` (the step's trip to the worker and its
 wake-up); ``admit`` (vLLM's ``_update_states``: new requests join the
@@ -55,7 +58,7 @@ PHASES: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("update", ("update", "B"), ("update", "E")),
     ("step", ("schedule", "B"), ("update", "E")),
 )
-KINDS = ("first, 1 token", "first, prefill", "second", "later", "batch")
+KINDS = ("first, 1 token", "first, prefill", "prefill chunk", "second", "later", "batch")
 
 
 @dataclass(frozen=True)
@@ -152,20 +155,22 @@ def cut_steps(events: list[Event]) -> list[Step]:
 def classify(steps: list[Step]) -> list[Step]:
     """Set each computing step's ``kind`` (see the module docstring); steps
     that compute nothing keep ``""``."""
-    seen: dict[str, int] = defaultdict(int)
+    decoded: set[str] = set()  # requests whose "second" step was seen
     for step in steps:
-        for rid in step.tokens:
-            seen[rid] += 1
         if not step.tokens:
             continue
         if len(step.tokens) > 1:
             step.kind = "batch"
+            decoded.update(rid for rid, n in step.tokens.items() if n == 1)
             continue
         ((rid, n),) = step.tokens.items()
         if rid in step.new:
             step.kind = "first, 1 token" if n == 1 else "first, prefill"
-        elif seen[rid] == 2:
+        elif n > 1:
+            step.kind = "prefill chunk"  # a long prompt's prefill goes on
+        elif rid not in decoded:
             step.kind = "second"
+            decoded.add(rid)
         else:
             step.kind = "later"
     return steps
