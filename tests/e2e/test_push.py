@@ -43,6 +43,7 @@ from tests.e2e.helpers import (
     stream_text,
     token_prompt,
 )
+from tests.e2e.test_proxy_e2e import first_token_paths
 from tests.e2e.test_pull import CASES
 from vllm_pd_ext import STEP_TRACE_ENV
 from vllm_pd_ext.testing.engines import Engine, Proxy
@@ -381,20 +382,34 @@ def test_step_trace_splits_d_first_step_after_the_load(
 
     body = completion_body(model, text_prompt(90, seed=907), max_tokens=6, ignore_eos=True)
     _, want = ref.post("/v1/completions", body)
-    before, m0 = kinds(), d.metrics()
+    before, m0, paths0 = kinds(), d.metrics(), first_token_paths(push["proxy"])
     got = send_completion(push["proxy"].url, body, "step-trace")
-    m1 = d.metrics()
+    m1, paths1 = d.metrics(), first_token_paths(push["proxy"])
     assert_same_as_reference(ref, got, want)
-    assert delta(m0, m1, EXTERNAL) == want["usage"]["prompt_tokens"]
+    taken = {k: v - paths0.get(k, 0.0) for k, v in paths1.items() if v != paths0.get(k, 0.0)}
+    # Token #1 from P, or (a token #1 ending inside a character, which a
+    # CPU's rounding may give) the pair sent again unseeded: D computes it,
+    # and the cancelled seeded leg may have loaded and stepped once too.
+    assert taken in ({"seeded:concurrent": 1.0}, {"fallback:incomplete_text": 1.0}), taken
+    seeded = "seeded:concurrent" in taken
+    loaded = delta(m0, m1, EXTERNAL)
+    prompt = want["usage"]["prompt_tokens"]
+    assert loaded == prompt if seeded else prompt <= loaded <= 2 * prompt
+    from_d = want["usage"]["completion_tokens"] - seeded
+    # D's first step over the pushed KV, its second, then the rest.
+    later = from_d - 2
     deadline = time.monotonic() + 10
-    while kinds().get("later", 0) < before.get("later", 0) + 4 and time.monotonic() < deadline:
+    while (kinds().get("later", 0) < before.get("later", 0) + later
+           and time.monotonic() < deadline):
         time.sleep(0.1)  # the trace's last lines follow the answer
     after = kinds()
-    assert after.get("first, 1 token", 0) - before.get("first, 1 token", 0) == 1
-    assert after.get("first, prefill", 0) == before.get("first, prefill", 0)  # D computed no prompt
-    # Six tokens: #1 from P, #2 in the first step, #3 in the second, #4 to #6 later.
-    assert after.get("second", 0) - before.get("second", 0) == 1
-    assert after.get("later", 0) - before.get("later", 0) == 3
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in step_split.KINDS}
+    assert grew["first, prefill"] == grew["prefill chunk"] == 0, grew  # D computed no prompt
+    if seeded:
+        assert (grew["first, 1 token"], grew["second"], grew["later"]) == (1, 1, later), grew
+    else:
+        assert grew["first, 1 token"] in (1, 2) and grew["second"] in (1, 2), grew
+        assert grew["later"] >= later, grew
     rows, note = step_split.split_folder(folder)
     first = rows["first, 1 token"]
     for phase in ("schedule", "to worker", "admit", "prepare", "forward", "sample", "step"):
