@@ -13,13 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_pd_ext import compat
+from vllm_pd_ext import STEP_TRACE_ENV, compat
 from vllm_pd_ext.compat import patches
 from vllm_pd_ext.config import PDConfig
 
 
 @pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
-def test_every_patch_target_is_where_the_patch_expects_it(patch: patches.Patch) -> None:
+def test_every_patch_target_is_where_the_patch_expects_it(patch: patches.Patch,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # Opt-in patches probe only when asked for (step_trace).
+    monkeypatch.setenv(STEP_TRACE_ENV, "/nonexistent/only-probed")
     assert patch.probe() is None, (
         f"vLLM {compat.VLLM_VERSION}: the target of patch {patch.name} ({patch.target}) "
         f"moved: {patch.probe()}; adapt compat/patches.py")
@@ -95,3 +99,17 @@ def test_idle_yield_is_skipped_only_when_the_connector_says_work_is_ready(monkey
     assert slept == [0.001, 0.001, 0.5] and ready[0] is True
     assert loop_time.monotonic is time.monotonic
 
+
+
+def test_the_step_trace_probe_imports_nothing_unless_asked(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Without ``VLLM_PD_EXT_STEP_TRACE`` the opt-in patch's probe imports
+    nothing (vLLM's model runner has no business in an API server)."""
+    (patch,) = [p for p in patches.PATCHES if p.name == "step_trace"]
+    imported: list[str] = []
+    monkeypatch.setattr(patches, "_import", lambda path: imported.append(path))
+    monkeypatch.delenv(STEP_TRACE_ENV, raising=False)
+    assert patch.probe() is None and imported == []
+    monkeypatch.setenv(STEP_TRACE_ENV, "/x")
+    patch.probe()
+    assert any("gpu_model_runner" in path for path in imported)

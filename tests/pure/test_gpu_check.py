@@ -71,22 +71,23 @@ def test_two_gpus_plan_and_a_passing_report(tmp_path: Path,
     out = capsys.readouterr().out
     assert "| pull | 32000 |" in out and "# GPU check: PASS" in out
     assert (tmp_path / "report.md").read_text() in out
-    # The step-phase trace: the reference and each D, never P.
-    for name, e in all_engines.items():
+    # The step-phase trace is opt-in (--step-trace).
+    assert all(STEP_TRACE_ENV not in e["env"] for e in all_engines.values())
+    assert report["steps"] == {}
+    assert "Where a step's time goes" not in out
+
+
+def test_step_trace_traces_the_reference_and_each_d(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rc, plan, report = dry(tmp_path, "--step-trace")
+    assert rc == 0
+    for name, e in engines(plan).items():
         want = None if name.startswith("p-") else str(tmp_path / "steps" / name)
         assert e["env"].get(STEP_TRACE_ENV) == want, name
     assert report["steps"] == {n: "not run (dry run)" for n in ("ref", "d-pull", "d-push")}
+    out = capsys.readouterr().out
     assert "## Where a step's time goes (medians, ms)" in out
     assert "- d-push: not run (dry run)" in out
-
-
-def test_no_step_trace_leaves_it_out(tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
-    rc, plan, report = dry(tmp_path, "--no-step-trace")
-    assert rc == 0
-    assert all(STEP_TRACE_ENV not in e["env"] for e in engines(plan).values())
-    assert report["steps"] == {}
-    assert "Where a step's time goes" not in capsys.readouterr().out
 
 
 def test_the_step_section_puts_each_traced_engine_split_in_the_report() -> None:

@@ -165,6 +165,17 @@ def _has_field(path: str, name: str) -> Callable[[], str | None]:
     return probe
 
 
+def _when_env(name: str, probe: Callable[[], str | None]) -> Callable[[], str | None]:
+    """A probe run only when ``name`` is set in the environment: an opt-in
+    patch whose probe would import modules this process may never load
+    (vLLM's model runner, in an API server). The tests set it."""
+    import os
+
+    def gated() -> str | None:
+        return probe() if os.environ.get(name) else None
+    return gated
+
+
 def _all(*probes: Callable[[], str | None]) -> Callable[[], str | None]:
     def probe() -> str | None:
         found = [p() for p in probes]
@@ -305,9 +316,10 @@ PATCHES: tuple[Patch, ...] = (
         _V, (Process.PLUGIN,),
         f"opt-in ({step_trace.STEP_TRACE_ENV}=<dir>): where a step's time goes, e.g. D's "
         "first step after a KV load against its decode steps (issue 29)",
-        _all(*(_needs(f"{c}.{m}", f"def {m}(") for c, m, _ in step_trace.TRACED),
-             _needs("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens",
-                    "scheduled_new_reqs")),
+        _when_env(step_trace.STEP_TRACE_ENV, _all(
+            *(_needs(f"{c}.{m}", f"def {m}(") for c, m, _ in step_trace.TRACED),
+            _needs("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens",
+                   "scheduled_new_reqs"))),
         _apply_step_trace),
     Patch(
         "engine_shutdown_hook", "vllm.v1.engine.core SIGTERM/SIGINT handler (chained)",

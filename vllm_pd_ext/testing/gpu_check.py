@@ -78,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strict-transport", action="store_true",
                     help="fail, not warn, when the KV did not take cuda_ipc or RDMA")
     ap.add_argument("--timeout", type=float, default=900.0, help="per engine start, seconds")
-    ap.add_argument("--no-step-trace", dest="step_trace", action="store_false",
-                    help="leave out the reference's and the D's step-phase trace "
-                         "(VLLM_PD_EXT_STEP_TRACE; the report's 'Where a step's time goes')")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="trace the reference's and each D's step phases "
+                         "(VLLM_PD_EXT_STEP_TRACE; the report then ends with 'Where a "
+                         "step's time goes'). Opt-in: it imports vLLM's model runner in "
+                         "every process of those engines, not yet tried on a GPU")
     return ap
 
 

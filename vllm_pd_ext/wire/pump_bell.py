@@ -139,9 +139,10 @@ class Bell:
         self._pull.close()
         self._ctx.term()
         with self._poke_lock:
-            os.close(self._poke_r)
-            os.close(self._poke_w)
-            self._poke_r = self._poke_w = -1
+            if self._poke_w >= 0:  # idempotent
+                os.close(self._poke_r)
+                os.close(self._poke_w)
+                self._poke_r = self._poke_w = -1
 
 
 class BellRinger:
