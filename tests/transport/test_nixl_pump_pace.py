@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from pdunit_utils import wait_for
@@ -42,6 +42,19 @@ def rounds_during(t: NixlTransport, seconds: float) -> int:
     return t.num_pump_rounds - before
 
 
+def most_rounds(t: NixlTransport, seconds: float, before: Callable[[], object] = lambda: None,
+                tries: int = 3) -> int:
+    """The most rounds in any of ``tries`` windows, each after ``before()``.
+    A lower bound on a fast pace must survive a CI machine that deschedules
+    this process for a whole window (seen: 200 ms); a slow pump fails every
+    window alike, so the best one is still an honest check."""
+    best = 0
+    for _ in range(tries):
+        before()
+        best = max(best, rounds_during(t, seconds))
+    return best
+
+
 def test_idle_pump_slows_down_and_a_ring_speeds_it_up(transport: NixlTransport) -> None:
     bell = Bell()
     ringer = BellRinger([bell.endpoint])
@@ -53,8 +66,7 @@ def test_idle_pump_slows_down_and_a_ring_speeds_it_up(transport: NixlTransport) 
         idle = rounds_during(transport, window)
         # At most one round per idle period (plus the one in progress).
         assert idle <= window / IDLE + 2, idle
-        ringer.ring()
-        woken = rounds_during(transport, 0.2)
+        woken = most_rounds(transport, 0.2, before=ringer.ring)
         assert woken > 2 * idle * 0.2 / window, (woken, idle)
         assert bell.num_rings >= 1
     finally:
@@ -69,7 +81,7 @@ def test_without_a_bell_the_pump_keeps_its_period(transport: NixlTransport) -> N
     time.sleep(LINGER)
     window = 0.6
     # More rounds than an idle pump could run (it would be at most window / IDLE + 2).
-    assert rounds_during(transport, window) > window / IDLE + 2
+    assert most_rounds(transport, window) > window / IDLE + 2
 
 
 def test_a_poke_wakes_an_idle_pump_and_expected_work_keeps_it_fast(
@@ -87,7 +99,7 @@ def test_a_poke_wakes_an_idle_pump_and_expected_work_keeps_it_fast(
     waiting[0] = True
     bell.poke()
     time.sleep(pump_bell.PENDING_LINGER_S + 0.05)  # past any linger: pending alone
-    fast = rounds_during(transport, window)
+    fast = most_rounds(transport, window)
     assert fast > 2 * (window / IDLE + 2), (fast, idle)
     assert bell.num_rings >= 1
     waiting[0] = False
