@@ -30,6 +30,10 @@ handoff), and for the disaggregated arms the handoff's figures from each
 request's ``pd_telemetry`` (``tools/slo/breakdown.handoff_of``): gap /
 (transfer + decode step), orchestration. Also the paired ratio: each
 round's disaggregated TTFT over the same round's aggregated one, p50.
+In push, also each request's gap against P's own WRITE time (P's log,
+``write_times``) + its decode step: D's record cannot time a concurrent
+push's bytes, which it waits for through P's prefill, so the table above
+counts them 0 there (an upper bound).
 
     python benchmarks/bench_idle_ab.py --transfer-mode push --length 300 --rounds 30
     python benchmarks/bench_idle_ab.py --transfer-mode pull --length 128 --rounds 30
@@ -51,6 +55,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import time
@@ -82,6 +87,11 @@ PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
 #: report (``same_step_landing``), per arm, of the measured ones.
 D_LANDED: dict[str, list[bool]] = {}
 LANDED = "vllm:pd_ext_landed_before_step_total"
+#: P's worker logs each WRITE it completed (``worker/p_push.py``,
+#: ``_finish_ok``): ``pushed <pd_request_id> ... , <ms> ms``. The one place
+#: a concurrent push's bytes are timed: D's record cannot tell the WRITE
+#: from P's prefill (it waits through both), so its gap ratio counts them 0.
+PUSHED = re.compile(r"PDConnector: pushed (\S+) to engine .*, ([0-9.]+) ms$")
 
 
 def parse_args() -> argparse.Namespace:
@@ -230,6 +240,44 @@ def gap_table(results: dict[str, list[RequestResult]]) -> list[str]:
     return lines
 
 
+def write_times(p_log: Path) -> dict[str, float]:
+    """P's WRITE time (ms) by ``pd_request_id``, from P's log."""
+    out: dict[str, float] = {}
+    if p_log.exists():
+        for line in p_log.read_text(errors="replace").splitlines():
+            m = PUSHED.search(line)
+            if m:
+                out[m[1]] = float(m[2])
+    return out
+
+
+def write_table(results: dict[str, list[RequestResult]], writes: dict[str, float]
+                ) -> list[str]:
+    """Push arms: the gap against P's own WRITE time (from P's log) + the
+    request's decode step, request by request: the gap ratio with the bytes
+    measured where they move, instead of counted 0 (concurrent) or timed
+    from D's wait (sequential)."""
+    lines = ["| arm | requests | P's WRITE p50 / p99 ms | gap #1 -> #2 p50 ms "
+             "| gap / (P's WRITE + step) p50 / p99 |", "|---|---:|---:|---:|---:|"]
+    for name, rs in results.items():
+        ratios, ms, gaps = [], [], []
+        for r in rs:
+            tele = r.telemetry if isinstance(r.telemetry, dict) else {}
+            transfer = tele.get("transfer") if isinstance(tele.get("transfer"), dict) else {}
+            w = writes.get(str(transfer.get("remote_request_id")))
+            if r.warmup or not r.ok or len(r.itl_s) < 2 or w is None:
+                continue
+            gap, step = 1000 * r.itl_s[0], 1000 * statistics.median(r.itl_s[1:])
+            ratios.append(gap / (w + step))
+            ms.append(w)
+            gaps.append(gap)
+        if ratios:
+            lines.append(f"| {name} | {len(ratios)} | {fmt(percentile(ms, 50), 2)} / "
+                         f"{fmt(percentile(ms, 99), 2)} | {fmt(percentile(gaps, 50))} "
+                         f"| {fmt(percentile(ratios, 50), 2)} / {fmt(percentile(ratios, 99), 2)} |")
+    return lines
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
@@ -350,6 +398,10 @@ def main() -> None:
           "leaving its engine core); the rest is the KV's arrival after P's answer, "
           "D's output path against P's, and the host\n")
     print("\n".join(gap_table(results)))
+    if args.transfer_mode == "push":
+        writes = write_times(dep.engines[0].log_path)
+        print(f"\nPush: the gap against P's WRITE time ({len(writes)} WRITEs in P's log)\n")
+        print("\n".join(write_table(results, writes)))
     for name, landed in D_LANDED.items():
         print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
               "before its workers' report (same_step_landing)")

@@ -33,7 +33,9 @@ class PrefillIdentity:
     """What a push-mode D leg needs to know about its prefill engine.
 
     Learned by the probe request (see :mod:`vllm_pd_proxy.health`); an engine
-    restart changes ``engine_id``, which is why it is refreshed every round.
+    restart changes ``engine_id``, which is why a P answer that names another
+engine replaces it, and why the health round re-probes one that nothing
+confirmed lately (``health.IDENTITY_STALE_ROUNDS``).
     """
 
     engine_id: str
@@ -73,6 +75,10 @@ class Backend:
     identity: PrefillIdentity | None = None
     identity_error: str | None = None
     identity_error_at: float | None = None
+    # When ``identity`` was last confirmed (monotonic): by a probe, or by a P
+    # answer that named the same engine. The health round re-probes only a
+    # stale one (health.IDENTITY_STALE_ROUNDS).
+    identity_at: float | None = None
     # Decode role with --local-prefill-threshold only: what it probably caches.
     prefixes: PrefixChunks | None = None
     # The last health probe timed out (slow, not known dead).

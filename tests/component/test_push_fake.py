@@ -12,9 +12,12 @@ message either server receives is logged in arrival order.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
+import logging
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,6 +235,25 @@ def poll_gaps(rig: Rig, count: int = 40, deadline_s: float = 10.0) -> list[float
         len(rig.p_t.poll_times) - start
     times = rig.p_t.poll_times[start:start + count + 1]
     return sorted(b - a for a, b in itertools.pairwise(times))
+
+
+def test_a_completed_write_is_logged_as_the_benchmark_reads_it(rig, caplog):
+    """``benchmarks/bench_idle_ab.py`` times a concurrent push's bytes from
+    this log line (D's record cannot tell the WRITE from P's prefill): its
+    pattern must keep matching it."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_idle_ab.py"
+    spec = importlib.util.spec_from_file_location("bench_idle_ab", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with caplog.at_level(logging.INFO, logger="vllm.pd_ext"):
+        rig.order()
+        assert wait_for(lambda: rig.messages(proto.LeaseRelease))
+        assert wait_for(lambda: any("pushed" in r.getMessage() for r in caplog.records))
+    [line] = [r.getMessage() for r in caplog.records if "pushed" in r.getMessage()]
+    m = bench.PUSHED.search(line)
+    assert m is not None, line
+    assert m[1] == "pd1" and 0 <= float(m[2]) < 60_000
 
 
 def test_in_flight_write_is_progressed_faster_than_once_a_millisecond(rig):

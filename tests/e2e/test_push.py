@@ -362,6 +362,46 @@ def text_prompt(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n_words))
 
 
+def identity_probes(proxy: Proxy) -> float:
+    """``pd_proxy_identity_probes_total{result="success"}``."""
+    with urllib.request.urlopen(proxy.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(r'pd_proxy_identity_probes_total\{result="success"\} (\S+)', text)
+    return float(m[1]) if m else 0.0
+
+
+def test_p_answers_confirm_its_identity_so_health_rounds_do_not_probe_it(
+        ref: Engine, push: dict[str, Any], model: str) -> None:
+    """The identity probe is a one-token completion, a forward step on the
+    real P: a proxy whose health rounds run every 0.2 s probes P once, then
+    not again while P's push answers keep naming the same engine (each round
+    probed before). The answers stay the collocated engine's, over moved KV."""
+    logs = log_dir("push-probes")
+    proxy = Proxy([push["p"].url], [push["d"].url], logs,
+                  args=["--transfer-mode", "push", "--health-interval", "0.2"]).start()
+    try:
+        proxy.wait_ready()
+        probes, m0 = identity_probes(proxy), push["d"].metrics()
+        assert probes >= 1
+        sent = prompts = 0
+        end = time.monotonic() + 3.0  # 15 rounds
+        while time.monotonic() < end:
+            # A new prompt each time: D loads it.
+            body = completion_body(model, text_prompt(40, seed=911 + sent), max_tokens=3,
+                                   ignore_eos=True)
+            _, want = ref.post("/v1/completions", body)
+            assert_same_as_reference(ref, send_completion(proxy.url, body, f"probe-{sent}"),
+                                     want)
+            sent, prompts = sent + 1, prompts + want["usage"]["prompt_tokens"]
+        # Most of every prompt came as KV (D's own prefix cache serves the
+        # odd block two prompts share).
+        assert sent >= 3 and delta(m0, push["d"].metrics(), EXTERNAL) >= 0.75 * prompts
+        # A request slowed past 6 rounds (1.2 s) would let one through.
+        assert identity_probes(proxy) - probes <= 1, (identity_probes(proxy), probes, sent)
+    finally:
+        proxy.stop()
+
+
 def test_step_trace_splits_d_first_step_after_the_load(
         ref: Engine, push: dict[str, Any], model: str) -> None:
     """The step-phase trace (``VLLM_PD_EXT_STEP_TRACE``, compat/step_trace.py)

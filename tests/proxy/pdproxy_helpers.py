@@ -121,6 +121,10 @@ class FakeEngine:
             s for s in self.seen if (s.body.get("kv_transfer_params") or {}).get("pd_ext_probe")
         ]
 
+    def health_checks(self) -> list[Seen]:
+        """``GET /health`` calls received (one per health round)."""
+        return [s for s in self.gets if s.path == "/health"]
+
     async def start(self) -> FakeEngine:
         app = web.Application()
         app.router.add_get("/health", self._health)

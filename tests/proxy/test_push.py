@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from aiohttp import web
 from pdproxy_helpers import chunk, completion, parse_sse, sse, wait_for
+from vllm_pd_proxy import health
 
 
 async def test_push_leg_shapes_and_probe(engines, proxy):
@@ -133,6 +135,39 @@ async def test_push_identity_refreshed_after_restart(engines, proxy):
     assert await engine_id_of_next_d_leg() == "engine-b"
     health = await (await client.get("/health")).json()
     assert health["prefill"][0]["identity"]["remote_engine_id"] == "engine-b"
+
+
+async def test_push_answers_confirm_the_identity_so_rounds_do_not_probe(engines, proxy):
+    """The identity probe is a forward step on P that a prefill arriving
+    meanwhile waits out: while push P answers keep naming the probed engine,
+    the background rounds (here 20 of them) probe nothing (at most 2: a
+    request slowed past 5.5 rounds on a loaded machine lets one through;
+    every round probed before)."""
+    interval = 0.05
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    client = await proxy([p], [d], transfer_mode="push", health_interval=interval)
+    assert (await client.post("/v1/completions", json={"prompt": "a"})).status == 200
+    probes, rounds = len(p.probes()), len(p.health_checks())
+    assert probes >= 1
+    while len(p.health_checks()) < rounds + 20:
+        assert (await client.post("/v1/completions", json={"prompt": "b"})).status == 200
+    assert len(p.probes()) - probes <= 2, len(p.probes()) - probes
+    assert d.legs()[-1].body["kv_transfer_params"]["remote_engine_id"] == "engine-a"
+
+
+async def test_push_idle_prefill_is_reprobed_once_its_identity_is_stale(engines, proxy):
+    """Without traffic the rounds still re-probe (a restart at the same URL
+    that /health never saw), but only an identity 6 rounds old, not every
+    round: consecutive probes are at least 5 intervals apart."""
+    interval = 0.02
+    p = await engines("prefill", engine_id="engine-a")
+    d = await engines("decode")
+    await proxy([p], [d], transfer_mode="push", health_interval=interval)
+    await wait_for(lambda: len(p.probes()) >= 4, timeout=10)
+    times = [s.at for s in p.probes()]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= (health.IDENTITY_STALE_ROUNDS - 1) * interval, gaps
 
 
 async def test_push_reprobe_after_prefill_failure(engines, proxy):
