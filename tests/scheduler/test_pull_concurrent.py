@@ -38,7 +38,8 @@ P_TOKEN = 100
 class PullPair:
     """A pull P and a pull D scheduler with real side channels."""
 
-    def __init__(self, mode: str = "sync", push_timeout: float = 30.0) -> None:
+    def __init__(self, mode: str = "sync", push_timeout: float = 30.0,
+                 idle_wait_ms: float = 10.0) -> None:
         common = {"transfer_mode": "pull", "handshake_timeout": 0.5}
         self.p_port, self.d_port = free_port(), free_port()
         self.p = create_scheduler(create_vllm_config(
@@ -47,7 +48,8 @@ class PullPair:
         self.d = create_scheduler(create_vllm_config(
             "kv_consumer", engine_id="eng-d", extra=dict(
                 common, side_channel_port=self.d_port, heartbeat_interval=0.2,
-                push_timeout=push_timeout), kv_load_failure_policy="recompute"), mode=mode)
+                push_timeout=push_timeout, push_idle_wait_ms=idle_wait_ms),
+            kv_load_failure_policy="recompute"), mode=mode)
         meta = proto.AgentInfo(tp_rank=0, agent_name="a", agent_metadata=b"m",
                                mem_type="DRAM", regions=[proto.Region(0x1000, 64, 64, 64)])
         for sched in (self.p, self.d):
@@ -307,3 +309,34 @@ def test_hostile_pull_answers_are_refused_and_change_nothing(pair: PullPair) -> 
         pair.client.request(HOST, pair.p_port, other)
     pair.d.finish_requests([d_req.request_id], RequestStatus.FINISHED_ABORTED)
     both_empty(pair)
+
+
+def test_an_idle_d_sleeps_while_parked_and_p_answer_wakes_it() -> None:
+    """D's steps while a leg is parked schedule nothing: each sleeps up to
+    ``push_idle_wait_ms`` (not vLLM's back-to-back empty steps, which take
+    the CPU from P on a shared host); P's answer wakes the sleep at once,
+    and the step after it skips vLLM's idle yield."""
+    import threading
+
+    pair = PullPair(idle_wait_ms=5000.0)
+    try:
+        d_req, _, _ = park_on_d(pair, "pd-idle", BLOCK_SIZE)  # (its step slept: no answer)
+        assert wait_for(lambda: "pd-idle" in pd(pair.p).pull_producer._waits)
+        idle = pd(pair.d).idle
+        assert idle is not None and idle.num_waits >= 1
+        woken = idle.num_woken
+        timer = threading.Timer(0.2, lambda: prefill_on_p(pair, "pd-idle", BLOCK_SIZE))
+        timer.start()
+        t0 = time.monotonic()
+        step(pair.d)  # sleeps until P's answer arrives (not the whole 5 s)
+        took = time.monotonic() - t0
+        timer.join()
+        assert idle.num_woken == woken + 1 and took < 4.5, took
+        assert pd(pair.d).take_loads_reported()  # vLLM's idle yield is skipped
+        spec = step_until_recv(pair, d_req)
+        play_worker(pair, spec)
+        run_to_end(pair, d_req, finished_recving={d_req.request_id})
+        assert d_req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+        both_empty(pair)
+    finally:
+        pair.close()

@@ -108,6 +108,11 @@ class PullWaits:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def has_news(self) -> bool:
+        """Another thread queued an event not applied yet (a racy read)."""
+        return bool(self._events)
+
     # ------------------------------------------------------------ scheduler
     def park(self, rid: str, params: KVTransferParams) -> None:
         """A concurrent pull leg arrived: ask P to tell us when it is ready."""

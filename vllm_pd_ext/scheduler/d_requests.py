@@ -189,6 +189,10 @@ class DRequests:
     def __len__(self) -> int:
         return len(self._reqs)
 
+    def num_loading(self) -> int:
+        """Loads in flight (O(n): asked only in steps that schedule nothing)."""
+        return sum(1 for d in self._reqs.values() if d.state is LoadState.LOADING)
+
     # ---------------------------------------------------------------- arrival
     def arrive(self, rid: str, leg: DecodedLeg, request: Any) -> None:
         params = leg.params

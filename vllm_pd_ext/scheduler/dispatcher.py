@@ -160,6 +160,13 @@ class PDScheduler:
                 and vllm_config.kv_transfer_config.is_kv_consumer):
             self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
             self.consumer.on_event = self.idle.wake
+        elif (self.pull_waits is not None and cfg.push_idle_wait_ms > 0
+              and vllm_config.kv_transfer_config.is_kv_consumer):
+            # A concurrent pull D parks its legs through P's prefill: the
+            # same empty steps as push's wait (and the same CPU taken from
+            # P on a shared host); P's answer wakes it.
+            self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
+            self.pull_waits.on_event = self.idle.wake
         #: D, push: pushes seen landing before the workers report them
         #: (``enable_landing``, by the ``same_step_landing`` patch; d_landing.py).
         self.landing: LandingView | None = None
@@ -392,13 +399,23 @@ class PDScheduler:
         if self.ringer is not None and self.consumer is not None and self.consumer.num_waiting:
             # P's WRITEs may land any time now: the pump collects their notifications.
             self.ringer.ring()
-        if not waited and self.idle is not None and self.consumer is not None and should_wait(
+        if not waited and self.idle is not None and should_wait(
                 int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)),
-                self.consumer.num_waiting,
-                bool(out.recv or out.fail or out.push or push_fail),
+                self._num_waiting(),
+                bool(out.recv or out.fail or out.push or push_fail or self.d.to_fail),
                 len(getattr(scheduler_output, "finished_req_ids", ()) or ())):
             self.idle.wait()
         return meta
+
+    def _num_waiting(self) -> int:
+        """Requests D waits for P on: push's registrations, concurrent pull's
+        parked legs; 0 while a pull load is in flight (its worker reports
+        it only in a step, which an idle wait would delay)."""
+        if self.consumer is not None:
+            return self.consumer.num_waiting
+        if self.pull_waits is None or not self.pull_waits.num_parked or self.d.num_loading():
+            return 0
+        return self.pull_waits.num_parked
 
     def take_requests_to_fail(self) -> dict[str, str]:
         """The ``pd_seed_pending`` requests vLLM must end with an error now,
@@ -418,7 +435,9 @@ class PDScheduler:
         (done or failed): the next step has work with it, so the EngineCore
         need not pause first (``compat.engine.skip_idle_yield_when``)."""
         reported, self._loads_reported = self._loads_reported, False
-        return reported
+        # A concurrent pull's answer from P: the next step allocates its
+        # blocks and starts the READ.
+        return reported or (self.pull_waits is not None and self.pull_waits.has_news)
 
     def _sweep(self) -> None:
         """Free the blocks of released and expired leases (this thread only).
