@@ -79,7 +79,7 @@ class PullProducer:
 
     def __init__(self, lender: BlockLender, tp_size: int, engine_id: str = "",
                  notify_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 auth: FrameAuth | None = None) -> None:
+                 auth: FrameAuth | None = None, outbox: Outbox | None = None) -> None:
         self.lender = lender
         self.tp_size = tp_size
         self.engine_id = engine_id
@@ -96,7 +96,7 @@ class PullProducer:
         self._next_expire = 0.0
         self._notify_timeout_s = notify_timeout_s
         self._auth = auth
-        self._outbox: Outbox | None = None
+        self._outbox: Outbox | None = outbox
         self.num_ready_sent = 0
         self.num_cancelled = 0
 
@@ -133,7 +133,8 @@ class PullProducer:
         if key == request_id:
             return  # a sequential pull: the proxy forwards P's answer
         with self._lock:
-            cancelled = self._cancelled.pop(key, None) is not None
+            # (kept until it expires: a wait arriving later is refused)
+            cancelled = key in self._cancelled
         if cancelled:
             # D's request ended before P's prefill did: nobody will read.
             logger.info("PDConnector: prefill %s done, but its decode request was cancelled; "
@@ -239,13 +240,16 @@ class PullProducer:
             self._send(wait.endpoint, msg)
 
     def _send(self, endpoint: Endpoint, msg: proto.PullReady) -> None:
-        if self._outbox is None:
-            # Only a concurrent pull needs it: no thread for sequential ones.
-            self._outbox = Outbox(self._notify_timeout_s, name="pd-pull-ready", auth=self._auth)
-        self.num_ready_sent += 1
+        with self._lock:
+            if self._outbox is None:
+                # Only a concurrent pull needs one (two threads may get here).
+                self._outbox = Outbox(self._notify_timeout_s, name="pd-pull-ready",
+                                      auth=self._auth)
+            outbox = self._outbox
+            self.num_ready_sent += 1
         key = msg.pd_request_id
-        self._outbox.send(endpoint[0], endpoint[1], msg,
-                          lambda reply: self._on_reply(key, msg.ok, reply))
+        outbox.send(endpoint[0], endpoint[1], msg,
+                    lambda reply: self._on_reply(key, msg.ok, reply))
 
     def _on_reply(self, key: str, ok: bool, reply: proto.Reply | SideChannelError) -> None:
         """Outbox thread: D's answer to ``PullReady``. A definite "nobody
