@@ -25,6 +25,7 @@ from pdsched import (
 )
 from pdunit_utils import free_port, wait_for
 from test_push_schedulers import HOST, assert_scheduler_empty, pd, same_prompt, step
+from test_push_seed import report_until_finished
 from vllm.v1.request import RequestStatus
 
 from vllm_pd_ext.metadata import PDHandshakeMetadata
@@ -122,24 +123,6 @@ def play_worker(pair: PullPair, spec) -> None:
         consumer=spec.request_id))
 
 
-def run_to_end(pair: PullPair, req, **report) -> tuple[list, dict[str, int]]:
-    outputs: list = []
-    scheduled: dict[str, int] = {}
-    kw = report
-    for i in range(10):
-        out, eco = step(pair.d, **kw)
-        kw = {}
-        n = out.num_scheduled_tokens.get(req.request_id)
-        if n:
-            scheduled[f"step{i}"] = n
-        outputs += [o for e in eco.values() for o in e.outputs if o.request_id == req.request_id]
-        if req.is_finished():
-            break
-    for e in drain(pair.d).values():
-        outputs += [o for o in e.outputs if o.request_id == req.request_id]
-    return outputs, scheduled
-
-
 def both_empty(pair: PullPair) -> None:
     step(pair.d)
     assert_scheduler_empty(pair.d)
@@ -167,7 +150,7 @@ def test_parked_until_p_answers_then_reads_p_blocks_and_computes_only_token_one(
     assert len(spec.remote_block_ids) == 3 and spec.num_tokens == n
     assert d_req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     play_worker(pair, spec)
-    outputs, scheduled = run_to_end(pair, d_req, finished_recving={d_req.request_id})
+    outputs, scheduled = report_until_finished(pair, d_req, finished_recving={d_req.request_id})
     # P's token #1 is the prompt's last token; D's first step computed only it.
     assert list(d_req.prompt_token_ids) == [*same_prompt(n), P_TOKEN]
     assert list(p_req.output_token_ids) == [P_TOKEN]
@@ -335,7 +318,7 @@ def test_an_idle_d_sleeps_while_parked_and_p_answer_wakes_it() -> None:
         assert pd(pair.d).take_loads_reported()  # vLLM's idle yield is skipped
         spec = step_until_recv(pair, d_req)
         play_worker(pair, spec)
-        run_to_end(pair, d_req, finished_recving={d_req.request_id})
+        report_until_finished(pair, d_req, finished_recving={d_req.request_id})
         assert d_req.status is RequestStatus.FINISHED_LENGTH_CAPPED
         both_empty(pair)
     finally:
