@@ -9,9 +9,11 @@ measured. This benchmark removes the drift: it starts, once,
 * ``aggregated``: a plain vLLM engine (no connector) on core 0;
 * P on core 0 and D on core 1 (PDConnector, ``--transfer-mode``), behind
   ``vllm-pd-proxy`` (token #1 from P; in push, D's leg sent with P's:
-  ``--concurrent-dispatch``, the default);
-* push only, ``push-seq``: a second proxy in front of the same P and D with
-  ``--no-concurrent-dispatch`` (D's leg after P's answer);
+  ``--concurrent-dispatch``, the default, both modes);
+* ``push-seq`` / ``pull-seq``: a second proxy in front of the same P and D
+  with ``--no-concurrent-dispatch`` (D's leg after P's answer; the main
+  arm sends it with P's: in pull since protocol 9, D parks it until P's
+  answer reaches it);
 
 and sends one request at a time, every arm in turn (the order rotates each
 round), with ``--pause`` seconds of quiet after each: the machine is idle
@@ -363,12 +365,14 @@ def main() -> None:
                 "--transfer-mode", "push", "--transfer-telemetry", "--queue-timeout",
                 "3600", "--local-prefill-threshold", "0"]).start().wait_ready(60)
             ds["push-no-landing"] = d2
-        elif args.transfer_mode == "push":
-            seq = Proxy([p.url], [d.url], out / "logs" / "push-seq", args=[
-                "--transfer-mode", "push", "--transfer-telemetry", "--no-concurrent-dispatch",
-                "--queue-timeout", "3600"]).start().wait_ready(60)
-            ds["push-seq"] = d
-        urls = arms(dep, agg, seq, "push-no-landing" if d2 is not None else "push-seq")
+        else:
+            seq_name = f"{args.transfer_mode}-seq"
+            seq = Proxy([p.url], [d.url], out / "logs" / seq_name, args=[
+                "--transfer-mode", args.transfer_mode, "--transfer-telemetry",
+                "--no-concurrent-dispatch", "--queue-timeout", "3600"]).start().wait_ready(60)
+            ds[seq_name] = d
+        urls = arms(dep, agg, seq, "push-no-landing" if d2 is not None
+                    else f"{args.transfer_mode}-seq")
         if args.pin_client:
             for proxy in (dep.proxy, seq):
                 if proxy is not None and proxy.proc is not None:
@@ -398,6 +402,15 @@ def main() -> None:
           "leaving its engine core); the rest is the KV's arrival after P's answer, "
           "D's output path against P's, and the host\n")
     print("\n".join(gap_table(results)))
+    for name, rs in results.items():
+        h = summarize_handoffs([r for r in rs if not r.warmup])
+        after, read = h["after_p_ms"], h["transfer_ms"]
+        if after["p50"] is not None:
+            # Concurrent pull: P's answer reached D -> D's KV ready (D's clock).
+            print(f"\n{name}: P's answer at D to D's KV ready p50 / p99 "
+                  f"{fmt(after['p50'], 2)} / {fmt(after['p99'], 2)} ms (the READ "
+                  f"{fmt(read['p50'], 2)} / {fmt(read['p99'], 2)} ms; "
+                  f"{h['count']} handoffs)")
     if args.transfer_mode == "push":
         writes = write_times(dep.engines[0].log_path)
         print(f"\nPush: the gap against P's WRITE time ({len(writes)} WRITEs in P's log)\n")

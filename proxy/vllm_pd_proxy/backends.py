@@ -2,7 +2,8 @@
 
 Lifecycle: ``create_app`` builds a prefill and a decode :class:`Pool` from the
 config. The health loop (:mod:`vllm_pd_proxy.health`) writes ``state``,
-``last_error`` and, in push mode, the prefill ``identity``; the request path
+``last_error`` and, in push mode (and pull with ``--concurrent-dispatch``),
+the prefill ``identity``; the request path
 (:mod:`vllm_pd_proxy.forward`, :mod:`vllm_pd_proxy.upstream`) reads them to
 route and brackets every leg with
 :meth:`Backend.acquire`/:meth:`Backend.release` so the routing policy sees
@@ -30,7 +31,8 @@ State = Literal["unknown", "healthy", "unhealthy", "draining"]
 
 @dataclass(frozen=True, slots=True)
 class PrefillIdentity:
-    """What a push-mode D leg needs to know about its prefill engine.
+    """What a D leg sent beside P's (push, concurrent pull) needs to know
+    about its prefill engine.
 
     Learned by the probe request (see :mod:`vllm_pd_proxy.health`); an engine
     restart changes ``engine_id``, which is why a P answer that names another
@@ -71,7 +73,7 @@ class Backend:
     in_flight: int = 0
     outstanding_tokens: int = 0
     requests_total: int = 0
-    # Push mode only (prefill role).
+    # Prefill role, where identities are probed (ProxyConfig.probes_identity).
     identity: PrefillIdentity | None = None
     identity_error: str | None = None
     identity_error_at: float | None = None

@@ -222,10 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrent-dispatch",
         action=argparse.BooleanOptionalAction,
         default=_D.concurrent_dispatch,
-        help="push mode with --first-token-from-prefill: send the decode leg with the "
-        "prefill leg, before the first token exists; the prefill engine sends that token "
-        "with the KV, so the decode engine's request handling overlaps the prefill "
-        "(completions; chat takes the sequential path)",
+        help="with --first-token-from-prefill, in both transfer modes: send the decode "
+        "leg with the prefill leg, before the first token exists; the prefill engine "
+        "sends that token to the decode engine with the KV (push) or with its blocks' "
+        "names (pull), so the decode engine's request handling overlaps the prefill "
+        "(completions with a text prompt, and chat; other requests take the sequential "
+        "path). In pull mode it also makes the proxy probe each prefill engine's "
+        "identity, as push mode always does",
     )
     g.add_argument(
         "--request-deadline",

@@ -82,9 +82,10 @@ class ProxyConfig:
     # Token #1 from P (vllm_pd_proxy.first_token): the client gets P's first
     # token when P answers, and D continues from token #2.
     first_token_from_prefill: bool = True
-    # Push with token #1 from P: D's leg goes beside P's and token #1 comes
-    # with the KV (P's WRITE notification), so D's API server and queue
-    # overlap P's prefill (vllm_pd_proxy.push, issue 29 item 2).
+    # Token #1 from P with D's leg beside P's, in both modes: token #1
+    # comes with the KV (push: P's WRITE notification; pull: P's message on
+    # the side channel), so D's API server and queue overlap P's prefill
+    # (vllm_pd_proxy.dispatch, issue 29 item 2).
     concurrent_dispatch: bool = True
     # Back-pressure (vllm_pd_proxy.admission): P legs in flight per prefill
     # engine (0: no cap), requests waiting for a slot, and how long one waits.
@@ -134,6 +135,16 @@ class ProxyConfig:
     # transfer record in each answer (pd_telemetry); spans over OpenTelemetry.
     transfer_telemetry: bool = False
     otel: bool = False
+
+    @property
+    def probes_identity(self) -> bool:
+        """Whether the proxy must know each prefill engine's identity before
+        its legs leave: push always; pull only when D's leg may go beside
+        P's (``concurrent_dispatch`` with token #1 from P), so that a
+        sequential pull never costs P a probe's forward step."""
+        if self.transfer_mode == TransferMode.PUSH:
+            return True
+        return self.concurrent_dispatch and self.first_token_from_prefill
 
     def validated(self) -> ProxyConfig:
         """Return a copy with normalized URLs; raise ConfigError on bad values."""

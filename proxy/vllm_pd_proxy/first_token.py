@@ -183,11 +183,11 @@ def decode_body(body: dict[str, Any], seed: Seed, chat: bool, stream: bool
 
 def pending_body(body: dict[str, Any], stream: bool, chat: bool = False
                  ) -> dict[str, Any] | None:
-    """D's leg sent beside P's (push, ``pd_seed_pending``), before token #1
+    """D's leg sent beside P's (push or pull, ``pd_seed_pending``), before token #1
     exists: the client's request (completions or chat), less the token P
     samples (its limit and ``min_tokens`` one fewer), asking for token ids
     (the stream's tracker splices it after token #1). D appends P's token
-    #1 to its prompt when the KV lands. None when P's token is the whole
+    #1 to its prompt when it learns it from P. None when P's token is the whole
     answer (a limit of 1): then no D leg goes at all."""
     if chat:
         # vLLM's chat takes max_completion_tokens over max_tokens (the limit

@@ -104,7 +104,7 @@ async def serve(
     """Answer with P's token #1 and D's rest; None: D's usual leg instead.
 
     ``d_params``: the ``kv_transfer_params`` D's leg carries (P's answer's
-    in pull mode, the push registration in push mode; None when P's answer
+    in (sequential) pull mode, the push registration in push mode; None when P's answer
     has none, which only a final answer can do without).
     """
     chat = ctx.chat

@@ -1,17 +1,20 @@
-"""Backend health probing and push-mode prefill identity discovery.
+"""Backend health probing and prefill identity discovery.
 
 Lifecycle: the app's cleanup context creates one :class:`HealthMonitor` with
 the shared ClientSession and starts :meth:`HealthMonitor.run`, a background
 task that every ``--health-interval`` seconds sends ``GET /health`` to every
-backend and, in push mode, re-probes the identity of each healthy prefill
+backend and, where the proxy sends D's leg with P's identity
+(``ProxyConfig.probes_identity``: push, and pull with
+``--concurrent-dispatch``), re-probes the identity of each healthy prefill
 engine that nothing confirmed for ``IDENTITY_STALE_ROUNDS`` rounds (an
-engine restart changes its ``remote_engine_id``; every push P answer names
+engine restart changes its ``remote_engine_id``; every such P answer names
 the engine that served it, so a prefill engine with traffic is never
 probed, and an idle one once per that many rounds). The request path calls
 :meth:`check_soon` after a failed leg (so a dead engine leaves rotation within
 milliseconds instead of at the next round), :meth:`ensure_identity` when a
-push-mode prefill engine has not been probed yet, and
-:meth:`check_answer_identity` with every push P answer (which names the engine
+prefill engine has not been probed yet, and
+:meth:`check_answer_identity` with every P answer whose D leg was sent the
+identity (a push or concurrent pull dispatch; the answer names the engine
 that served it), so a restart at the same URL is noticed by the first request
 it affects, not at the next round. Every state change calls ``on_change``
 (the prefill gate's ``wake``: an engine back in rotation has free slots). The
@@ -79,7 +82,10 @@ class HealthMonitor:
         self._pools = list(pools)
         self._session = session
         self._metrics = metrics
-        self._push = config.transfer_mode == TransferMode.PUSH
+        # Push, or pull with concurrent dispatch: a sequential pull never
+        # probes (the probe is a forward step on P that nothing needs then).
+        self._identities = config.probes_identity
+        self._mode = TransferMode(config.transfer_mode)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_checks: set[Backend] = set()
         self._probing: dict[Backend, asyncio.Task[PrefillIdentity]] = {}
@@ -97,13 +103,13 @@ class HealthMonitor:
         """Probe forever; the first round starts immediately."""
         while True:
             try:
-                await self.round(with_identity=self._push, only_stale=True)
+                await self.round(with_identity=self._identities, only_stale=True)
             except Exception:  # keep the loop alive whatever one round hits
                 logger.exception("health round failed")
             await asyncio.sleep(self._config.health_interval)
 
     async def round(self, with_identity: bool, only_stale: bool = False) -> None:
-        """Check every backend once (and re-probe push identities: with
+        """Check every backend once (and re-probe prefill identities: with
         ``only_stale``, only those unconfirmed for ``IDENTITY_STALE_ROUNDS``)."""
         await asyncio.gather(
             *(self._check_and_probe(b, with_identity, only_stale) for b in self.backends))
@@ -157,14 +163,14 @@ class HealthMonitor:
             else:
                 backend.mark("unhealthy", f"GET /health answered HTTP {status}")
         if (
-            self._push
+            self._identities
             and backend.role == "prefill"
             and before in ("unhealthy", "draining")
             and backend.state == "healthy"
         ):
             # Back after being away: it may be a restarted engine with a new
             # id, and a D leg sent the old one is refused by P. Learn it
-            # before the next push dispatch (ensure_identity probes).
+            # before the next dispatch that needs it (ensure_identity probes).
             backend.identity = None
         if backend.state != before:
             log = logger.info if backend.state in ("healthy", "draining") else logger.warning
@@ -198,7 +204,7 @@ class HealthMonitor:
 
         async def _run() -> None:
             try:
-                await self._check_and_probe(backend, reprobe and self._push)
+                await self._check_and_probe(backend, reprobe and self._identities)
             finally:
                 self._pending_checks.discard(backend)
 
@@ -218,7 +224,7 @@ class HealthMonitor:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    # -- push-mode identity --------------------------------------------------
+    # -- prefill identity (push; pull with concurrent dispatch) -------------
 
     async def ensure_identity(self, backend: Backend) -> PrefillIdentity:
         """The cached identity, or a fresh probe (raises ProbeError)."""
@@ -243,15 +249,16 @@ class HealthMonitor:
     def check_answer_identity(
         self, backend: Backend, dispatched: PrefillIdentity, params: Any
     ) -> str | None:
-        """Compare a push P answer's identity with the one its D leg was sent.
+        """Compare a P answer's identity with the one its D leg was sent (a
+        push or a concurrent pull dispatch).
 
         ``params`` is the answer's ``kv_transfer_params``. On a mismatch (P
         restarted at the same URL: new engine id, maybe a new side channel)
         the cached identity is replaced by the answered one at once, or
         dropped (so the next request probes) if the answer is not a usable
-        push identity; returns a description of the mismatch. None when they
-        agree or the answer names no engine (P handed over no KV: nothing to
-        compare).
+        identity for the proxy's transfer mode; returns a description of
+        the mismatch. None when they agree or the answer names no engine (P
+        handed over no KV: nothing to compare).
         """
         if not isinstance(params, dict) or params.get("remote_engine_id") is None:
             return None
@@ -266,7 +273,7 @@ class HealthMonitor:
             f"answer came from engine {answered[0]} at {answered[1]}:{answered[2]} (restarted?)"
         )
         try:
-            identity = identity_from_params(params)
+            identity = identity_from_params(params, self._mode)
         except ProbeError as exc:
             backend.identity = None  # the next request probes afresh
             logger.warning(
@@ -354,34 +361,48 @@ class HealthMonitor:
         answered = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(answered, dict):
             raise ProbeError("probe answer has no kv_transfer_params")
-        return identity_from_params(answered)
+        return identity_from_params(answered, self._mode)
 
 
-def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
-    """A push-capable prefill identity from P's ``kv_transfer_params``; ProbeError if not.
+def identity_from_params(params: dict[str, Any],
+                         mode: TransferMode = TransferMode.PUSH) -> PrefillIdentity:
+    """A prefill identity for the proxy's transfer ``mode`` from P's
+    ``kv_transfer_params``; ProbeError if not.
 
-    The same fields come back from the identity probe and from every push P
-    leg (vllm_pd_ext's connector builds both from one dict). They are
-    decoded as D will decode the push D leg that carries them
+    The same fields come back from the identity probe and from every P leg
+    (vllm_pd_ext's connector builds both from one dict). They are decoded
+    as D will decode the D leg that carries them
     (:func:`~vllm_pd_ext.wire.protocol.decode_params`): an identity D would
     refuse fails here, once, naming the field, not in every D leg.
+
+    ``mode`` push: the answer must say ``push``. Pull: ``pull`` or nothing
+    (vLLM's own params omit it; :func:`concurrent_pull` tells the two apart),
+    never ``push``: such an engine refuses pull legs.
     """
     missing = [k for k in IDENTITY_KEYS if params.get(k) is None]
     if missing:
         raise ProbeError(f"probe kv_transfer_params lack {missing}")
-    mode = params.get("transfer_mode")
-    if mode != TransferMode.PUSH:
+    answered = params.get("transfer_mode")
+    if mode == TransferMode.PUSH and answered != TransferMode.PUSH:
         # vLLM's in-tree NixlConnector answers the probe like a normal
         # request (no transfer_mode) and a pull-configured vllm_pd_ext
         # engine says "pull": neither accepts push legs, so refuse the
         # engine here instead of failing every D leg later.
         raise ProbeError(
-            f"probe answered transfer_mode={mode!r}, not 'push': the engine must run "
+            f"probe answered transfer_mode={answered!r}, not 'push': the engine must run "
             "the vllm_pd_ext connector with transfer_mode push for --transfer-mode push"
         )
+    if mode == TransferMode.PULL and answered not in (None, TransferMode.PULL):
+        raise ProbeError(
+            f"probe answered transfer_mode={answered!r}, not 'pull': the engine must run "
+            "its connector in pull mode for --transfer-mode pull"
+        )
     d_leg = {k: params[k] for k in IDENTITY_KEYS}
-    d_leg.update(do_remote_prefill=True, transfer_mode=mode, pd_request_id="probe",
-                 tp_size=params.get("tp_size") or 1)
+    # Checked by push's D-leg rules in either mode: the identity's fields
+    # are checked alike in both, and push's need no block ids (a concurrent
+    # pull D leg names none; D learns them from P).
+    d_leg.update(do_remote_prefill=True, transfer_mode=TransferMode.PUSH.value,
+                 pd_request_id="probe", tp_size=params.get("tp_size") or 1)
     try:
         typed = decode_params(d_leg)
     except ParamsError as exc:
@@ -393,9 +414,17 @@ def identity_from_params(params: dict[str, Any]) -> PrefillIdentity:
         host=typed.remote_host,
         port=typed.remote_port,
         tp_size=typed.tp_size,
-        transfer_mode=mode,
+        transfer_mode=answered,
         probed_at=time.monotonic(),
     )
+
+
+def concurrent_pull(identity: PrefillIdentity) -> bool:
+    """Whether a pull P takes a concurrent pull (D's leg before P's blocks
+    exist): only vllm_pd_ext's connector, whose answers say ``pull``;
+    vLLM's in-tree NixlConnector, which says nothing, gets the sequential
+    pull it knows."""
+    return identity.transfer_mode == TransferMode.PULL
 
 
 def _endpoint_of(params: dict[str, Any]) -> tuple[str, str, str]:

@@ -7,6 +7,10 @@ NixlConnector and vllm_pd_ext's connector (same wire format):
 * pull: P gets a 1-token, non-streaming copy with ``do_remote_decode``; P's
   answer carries ``kv_transfer_params`` that D gets verbatim with the
   original body, and D reads the KV from P.
+* concurrent pull (token #1 from P, ``--concurrent-dispatch``): both legs
+  are sent at once, matched by ``pd_request_id``; D learns P's identity
+  from the proxy's probe cache, parks the request until P, asked over the
+  side channel, names its blocks and token #1, then reads the KV.
 * push: both legs are sent at once; D learns P's identity from the proxy's
   probe cache and P pushes the KV to D, matched by ``pd_request_id``.
 
@@ -83,10 +87,13 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None,
     return leg
 
 
-def pull_prefill_params(first_token: bool = False) -> dict[str, Any]:
+def pull_prefill_params(first_token: bool = False,
+                        request_id: str | None = None) -> dict[str, Any]:
     """P-leg params in pull mode; identical to vLLM's toy proxy, plus
-    ``pd_first_token`` when the proxy sends P's token #1 itself."""
-    params = {
+    ``pd_first_token`` when the proxy sends P's token #1 itself, and
+    ``pd_request_id`` for a concurrent pull (the key D's leg, sent at the
+    same time, asks P for the blocks under)."""
+    params: dict[str, Any] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -96,7 +103,29 @@ def pull_prefill_params(first_token: bool = False) -> dict[str, Any]:
     }
     if first_token:
         params["pd_first_token"] = True
+    if request_id is not None:
+        params["pd_request_id"] = request_id
     return params
+
+
+def pull_wait_decode_params(identity: PrefillIdentity, request_id: str) -> dict[str, Any]:
+    """D-leg params of a concurrent pull, sent with P's leg: which P to ask
+    for the blocks of ``pd_request_id`` (no ``remote_block_ids``: D learns
+    them, and token #1, from P once the prefill is done). D keeps no turn:
+    token #1 from P is never a multi-turn request."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": identity.engine_id,
+        "remote_host": identity.host,
+        "remote_port": identity.port,
+        "tp_size": identity.tp_size,
+        "remote_request_id": request_id,
+        "pd_request_id": request_id,
+        "transfer_mode": TransferMode.PULL.value,
+        "pd_seed_pending": True,
+        "pd_bidirectional": False,
+    }
 
 
 def push_prefill_params(request_id: str, first_token: bool = False) -> dict[str, Any]:

@@ -161,7 +161,7 @@ async def open_decode_guarded(
     guard: asyncio.Future[Any],
     endpoint: str | None = None,
 ) -> OpenedDecode:
-    """:func:`open_decode`, abandoned if ``guard`` (the push P leg) fails first.
+    """:func:`open_decode`, abandoned if ``guard`` (the P leg sent with it) fails first.
 
     Raises the guard's error in that case: the client gets P's failure and the
     D leg is cancelled, closing its connection so D frees what it reserved.

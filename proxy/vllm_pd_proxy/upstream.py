@@ -194,7 +194,8 @@ class Upstream:
         continuing: bool = False,
         before_relay: Callable[[], Awaitable[None]] | None = None,
     ) -> web.StreamResponse:
-        """Run the D leg and relay it; ``guard`` is a concurrent push P leg.
+        """Run the D leg and relay it; ``guard`` is the P leg sent with it
+        (push, concurrent pull).
 
         A non-streamed answer is returned as a response; a stream goes into
         ``sink`` (:class:`~vllm_pd_proxy.relay.ClientSink`: to the client).
@@ -205,7 +206,7 @@ class Upstream:
         the client's); ``continuing``: a migration's continuation of a stream
         already started (:mod:`vllm_pd_proxy.migration`); ``before_relay``:
         awaited once D's first byte is in, before anything of D's reaches
-        the client (a concurrent push leg's token #1 goes out first).
+        the client (a concurrent leg's token #1, P's, goes out first).
 
         Raises :class:`~vllm_pd_proxy.relay.MidStreamFailure` when a tracked
         stream (``ctx.track``) fails after it started.
@@ -262,7 +263,7 @@ class Upstream:
                     raise MidStreamFailure(error, ctx.progress)
             return out
         except errors.ProxyError as exc:
-            # (A push P-leg error also ends up here; D is not at fault then.)
+            # (A guarding P leg's error also ends up here; D is not at fault then.)
             if exc.backend is decode and exc.draining:
                 self.monitor.mark_draining(decode)
             elif exc.backend is decode and exc.outcome in (

@@ -57,6 +57,10 @@ MESSAGES: dict[str, proto.Request] = {
     "push_abort": proto.PushAbort(engine_id="eng-x", pd_request_id="pd"),
     "push_result": proto.PushResult(engine_id="eng-x", pd_request_id="pd", tp_rank=-1,
                                     ok=False),
+    "pull_wait": proto.PullWait(engine_id="eng-x", expect_engine_id="eng-p", pd_request_id="pd",
+                                request_id="x", notify_host=HOST, notify_port=1234, ttl_s=10.0),
+    "pull_wait_cancel": proto.PullWaitCancel(engine_id="eng-x", pd_request_id="pd"),
+    "pull_ready": proto.PullReady(engine_id="eng-x", pd_request_id="pd", ok=False),
 }
 
 
@@ -83,7 +87,7 @@ def rig():
     push = Recorder()
     port = free_port()
     srv = SideChannelServer(HOST, port, "eng-p", compat(), {0: AGENT}, leases, push=push,
-                            auth=FrameAuth(Keyring.parse(SECRET, "test")))
+                            auth=FrameAuth(Keyring.parse(SECRET, "test")), pull=push)
     ctx = zmq.Context()
     yield srv, port, leases, push, clock, ctx
     ctx.destroy(linger=0)

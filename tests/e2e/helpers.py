@@ -242,3 +242,12 @@ def assert_nothing_held(ps: list[Engine], ds: list[Engine], model: str, within_s
     names = " ".join(e.name for e in (*ps, *ds))
     assert not any(usage), f"{what}: blocks held afterwards ({names}): {usage}"
     assert all(e.alive() for e in (*ps, *ds))
+
+
+def text_prompt(n_words: int, seed: int) -> str:
+    """A text prompt (concurrent dispatch takes text prompts and chat, not
+    token ids)."""
+    rng = random.Random(seed)
+    words = ["block", "cache", "token", "prefill", "decode", "lease", "write", "stream",
+             "engine", "proxy", "layer", "head", "tiny", "model", "vector", "page"]
+    return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n_words))

@@ -41,6 +41,7 @@ from tests.e2e.helpers import (
     run_clients,
     send_completion,
     stream_text,
+    text_prompt,
     token_prompt,
 )
 from tests.e2e.test_proxy_e2e import first_token_paths
@@ -351,15 +352,6 @@ def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -
     assert took < D_DEADLINE_S / 2
     assert "P could not write the KV: P prefilled 37 tokens but D's prompt has 300" in (
         d.log_text())
-
-
-def text_prompt(n_words: int, seed: int) -> str:
-    """A text prompt (concurrent dispatch takes text prompts and chat, not
-    token ids)."""
-    rng = random.Random(seed)
-    words = ["block", "cache", "token", "prefill", "decode", "lease", "write", "stream",
-             "engine", "proxy", "layer", "head", "tiny", "model", "vector", "page"]
-    return " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(n_words))
 
 
 def identity_probes(proxy: Proxy) -> float:

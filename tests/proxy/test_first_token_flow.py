@@ -45,7 +45,14 @@ def first_token_counts(client: Any) -> dict[tuple[str, str], float]:
 
 
 async def pd(engines, proxy, d_faults=(None,), *, stop_first=False, gate=None, **config):
-    p = await engines("prefill", override=TokenEngine(stop_first=stop_first))
+    mode = config.get("transfer_mode", "pull")
+    if mode == "pull":
+        # The tests not run over MODES take the sequential pull (the
+        # concurrent one has MODES and test_concurrent_pull.py).
+        config.setdefault("concurrent_dispatch", False)
+    # The engine's identity names the proxy's mode, as vllm_pd_ext's does.
+    p = await engines("prefill", override=TokenEngine(stop_first=stop_first),
+                      probe_transfer_mode=mode)
     ds = [await engines("decode", override=TokenEngine(f, gate=gate)) for f in d_faults]
     config.setdefault("first_token_from_prefill", True)
     client = await proxy([p], ds, **config)
@@ -56,9 +63,12 @@ def bodies(engine) -> list[dict[str, Any]]:
     return engine.override.bodies
 
 
-#: The flows: pull, push with D's leg beside P's (``--concurrent-dispatch``,
-#: the default: token #1 comes with the KV), push with D's leg after P's.
-MODES = ["pull", "push", "push-seq"]
+#: The flows: pull and push with D's leg beside P's (``--concurrent-dispatch``,
+#: the default: token #1 reaches D from P, with the KV or its blocks' names),
+#: and each with D's leg after P's answer (``-seq``).
+MODES = ["pull", "pull-seq", "push", "push-seq"]
+#: The MODES whose D leg leaves beside P's.
+CONCURRENT = ("pull", "push")
 
 
 def flow(mode: str) -> dict[str, Any]:
@@ -71,11 +81,11 @@ def assert_d_leg(mode: str, d_leg: dict[str, Any], prompt: Any, prompt_ids: list
                  token_one: int, limit: int, chat: bool = False) -> None:
     """D's leg continues after token #1: sequential, its prompt carries the
     token (``pd_seeded_tokens``), a completions request even for chat;
-    concurrent (push), D gets the client's request (a chat's messages) and
-    token #1 comes with the KV (``pd_seed_pending``)."""
+    concurrent, D gets the client's request (a chat's messages) and token #1
+    comes from P (``pd_seed_pending``)."""
     params = d_leg["kv_transfer_params"]
     assert d_leg["max_tokens"] == limit - 1
-    if mode == "push":
+    if mode in CONCURRENT:
         assert d_leg["messages" if chat else "prompt"] == prompt
         assert d_leg["return_token_ids"] is True
         assert params["pd_seed_pending"] is True and "pd_seeded_tokens" not in params
@@ -85,7 +95,7 @@ def assert_d_leg(mode: str, d_leg: dict[str, Any], prompt: Any, prompt_ids: list
 
 
 def seeded_count(mode: str) -> dict[tuple[str, str], float]:
-    return {("seeded", "concurrent" if mode == "push" else ""): 1}
+    return {("seeded", "concurrent" if mode in CONCURRENT else ""): 1}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -114,10 +124,11 @@ async def test_streamed_completion_gets_token_one_from_p_and_the_rest_from_d(
     assert_d_leg(mode, d_leg, PROMPT, prompt_ids, ref[0], N)
     params = d_leg["kv_transfer_params"]
     assert params["pd_bidirectional"] is False
-    if mode == "pull":
+    if mode == "pull-seq":
         assert params["remote_engine_id"] == p.engine_id  # P's answer, verbatim
     else:
         assert params["pd_request_id"] == p_leg["kv_transfer_params"]["pd_request_id"]
+        assert params["remote_engine_id"] == p.engine_id  # the probed identity
     assert d.legs()[0].path == "/v1/completions"
     assert first_token_counts(client) == seeded_count(mode)
 
@@ -166,7 +177,7 @@ async def test_chat_stream_starts_with_the_role_then_token_one(engines, proxy, m
     assert events[-2]["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": N,
                                    "total_tokens": len(prompt_ids) + N}
     (d_leg,) = bodies(d)
-    if mode == "push":
+    if mode in CONCURRENT:
         # Beside P's leg, before token #1 existed: the client's own chat
         # request, one token shorter, on D's chat endpoint.
         assert d_leg["messages"] == CHAT and d_leg["max_completion_tokens"] == N - 1
@@ -224,9 +235,9 @@ async def test_token_one_that_ends_the_answer_is_p_answer_alone(engines, proxy, 
         assert answer["choices"][0]["finish_reason"] == "stop"
         assert answer["usage"]["completion_tokens"] == 1
         assert "kv_transfer_params" not in answer
-    if mode == "push":
+    if mode in CONCURRENT:
         # D's leg left with P's; P's answer being the whole one, it was
-        # cancelled (a real D then aborts it: P wrote nothing for it).
+        # cancelled (a real D then aborts it: P handed over nothing for it).
         assert [b["kv_transfer_params"]["pd_seed_pending"] for b in bodies(d)] == [True]
     else:
         assert d.legs() == []  # no D leg at all
@@ -259,7 +270,7 @@ async def test_requests_it_cannot_serve_exactly_take_the_usual_path(engines, pro
 async def test_p_answer_without_token_ids_falls_back(engines, proxy):
     p = await engines("prefill")  # a plain fake: its answer names no ids
     d = await engines("decode")
-    client = await proxy([p], [d], first_token_from_prefill=True)
+    client = await proxy([p], [d], first_token_from_prefill=True, concurrent_dispatch=False)
     resp = await client.post("/v1/completions", json={"model": "m", "prompt": PROMPT,
                                                       "max_tokens": 4})
     assert resp.status == 200
@@ -268,15 +279,19 @@ async def test_p_answer_without_token_ids_falls_back(engines, proxy):
 
 
 async def test_a_prefill_that_is_not_vllm_pd_ext_falls_back(engines, proxy):
-    """vLLM's NixlConnector P: its decode engines would not know pd_seeded_tokens."""
-    p = await engines("prefill", override=TokenEngine(pd_ext=False))
+    """vLLM's NixlConnector P: its decode engines would not know pd_seeded_tokens
+    (nor a concurrent pull: its identity names no transfer_mode, so even
+    with --concurrent-dispatch, the default, the pull is sequential)."""
+    p = await engines("prefill", override=TokenEngine(pd_ext=False), probe_transfer_mode=None)
     d = await engines("decode", override=TokenEngine())
     client = await proxy([p], [d], first_token_from_prefill=True)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": N}
     answer = await (await client.post("/v1/completions", json=body)).json()
     assert answer["choices"][0]["text"] == text(reference("/v1/completions", body))
     assert first_token_counts(client) == {("fallback", "not_pd_ext"): 1}
-    assert bodies(d)[0]["prompt"] == PROMPT
+    (d_leg,) = bodies(d)
+    assert d_leg["prompt"] == PROMPT
+    assert "pd_seed_pending" not in d_leg["kv_transfer_params"]
 
 
 async def test_off_sends_no_first_token_fields(engines, proxy):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from pdproxy_helpers import wait_for
-from vllm_pd_proxy.health import ProbeError, identity_from_params
+from vllm_pd_proxy.config import TransferMode
+from vllm_pd_proxy.health import ProbeError, concurrent_pull, identity_from_params
 
 
 async def test_health_reports_each_backend(engines, proxy):
@@ -95,3 +96,20 @@ def test_identity_is_decoded_as_the_push_d_leg_will_be():
                          ("tp_size", 4096), ("remote_engine_id", 7)):
         with pytest.raises(ProbeError, match=f"malformed: .*{field}"):
             identity_from_params(dict(good, **{field: value}))
+
+
+def test_a_pull_identity_says_pull_or_nothing():
+    """A concurrent pull's D leg names P's identity: a vllm_pd_ext pull P
+    says ``pull`` (it takes a concurrent pull); vLLM's NixlConnector says
+    nothing (an identity, but the sequential pull); a push P is refused."""
+    good = {"remote_engine_id": "e", "remote_host": "10.0.0.1", "remote_port": 5600,
+            "tp_size": 2, "transfer_mode": "pull", "remote_block_ids": None}
+    identity = identity_from_params(good, TransferMode.PULL)
+    assert (identity.engine_id, identity.port, identity.tp_size) == ("e", 5600, 2)
+    assert concurrent_pull(identity)
+    in_tree = identity_from_params(dict(good, transfer_mode=None), TransferMode.PULL)
+    assert in_tree.transfer_mode is None and not concurrent_pull(in_tree)
+    with pytest.raises(ProbeError, match="transfer_mode='push', not 'pull'"):
+        identity_from_params(dict(good, transfer_mode="push"), TransferMode.PULL)
+    with pytest.raises(ProbeError, match=r"malformed: .*remote_port"):
+        identity_from_params(dict(good, remote_port=0), TransferMode.PULL)

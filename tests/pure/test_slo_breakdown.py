@@ -171,9 +171,9 @@ def test_summarize_handoffs_counts_the_seeded_and_skips_failures():
     seeded["transfer"]["read_ms"] = 1.0
     plain = telemetry()
     plain["transfer"]["read_ms"] = 3.0
-    concurrent = telemetry()
+    concurrent = telemetry("push")
     concurrent["proxy"]["first_token"] = "seeded:concurrent"  # push, D beside P
-    concurrent["transfer"]["read_ms"] = 2.0
+    concurrent["transfer"]["write_wait_ms"] = 2.0
     fallback = telemetry()
     fallback["proxy"]["first_token"] = "fallback:stop_strings"
     fallback["transfer"]["read_ms"] = 2.0
@@ -187,3 +187,20 @@ def test_summarize_handoffs_counts_the_seeded_and_skips_failures():
     one = handoff_of(_streamed(concurrent))
     assert one is not None and one["transfer_ms"] == 0.0
     assert one["orchestration_ms"] == pytest.approx(one["handoff_ms"])
+
+
+def test_a_concurrent_pull_counts_its_read_and_what_followed_p_answer():
+    """D's leg left with P's (``seeded:concurrent``) but D READs P's blocks
+    once P's answer came: the READ is the bytes' time (not 0 as for
+    push's WRITE wait), and ``p_wait_ms`` splits off what D did after P
+    was done."""
+    tele = telemetry(decode_sent=0.5, kv_ready=40.0)  # arrived with P's leg
+    tele["proxy"]["first_token"] = "seeded:concurrent"
+    tele["transfer"].update(read_ms=1.5, pin_ms=1.0, pin_with_read=True, p_wait_ms=36.0)
+    h = handoff_of(_streamed(tele))
+    assert h is not None
+    assert h["transfer_ms"] == 1.5
+    assert h["handoff_ms"] == pytest.approx(5.3)  # 0.5 + 40 - 35.2
+    assert h["orchestration_ms"] == pytest.approx(3.8)  # minus the READ
+    assert h["after_p_ms"] == pytest.approx(4.0)  # 40 - 36, on D's clock
+    assert h["step_wait_ms"] == pytest.approx(2.5)  # minus the slower of pin and READ

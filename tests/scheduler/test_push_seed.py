@@ -147,7 +147,7 @@ def test_a_seed_pending_leg_in_pull_mode_is_refused_and_ends_with_an_error() -> 
             remote_num_tokens=100, pd_seed_pending=True))
         sched.add_request(req)
         out, _ = step(sched)
-        assert "pd_seed_pending needs transfer_mode 'push'" in (
+        assert "pd_seed_pending needs no pd_seeded_tokens and transfer_mode 'push'" in (
             out.kv_connector_metadata.reqs_to_fail[req.request_id][1])
         step(sched, finished_recving={req.request_id}, failed_recving={req.request_id})
         drain(sched)

@@ -242,7 +242,7 @@ def _apply_fail_seed_requests(ctx: Context) -> str:
     # an error too.
     if not engine_patches.fail_seed_requests():
         raise Skip("already applied in this process")
-    return ("a push leg sent before token #1 that cannot continue after it ends with an "
+    return ("a leg sent before token #1 that cannot continue after it ends with an "
             "error, whatever kv_load_failure_policy (never samples token #1 again)")
 
 
@@ -346,7 +346,7 @@ PATCHES: tuple[Patch, ...] = (
         "fail_seed_requests", "vllm.v1.core.sched.scheduler.Scheduler.update_from_output "
         "(wrapped: finish_requests(FINISHED_ERROR) for the connector's doomed requests)",
         _V, (Process.ENGINE_CORE,),
-        "a push D leg sent beside P's (pd_seed_pending, issue 29) must end with an error, "
+        "a D leg sent beside P's (pd_seed_pending, issue 29; push or pull) must end with an error, "
         "not recompute, when token #1 does not come with the KV: the client has it already",
         _all(_needs("vllm.v1.core.sched.scheduler.Scheduler.update_from_output",
                     "engine_core_outputs = {", "return engine_core_outputs",

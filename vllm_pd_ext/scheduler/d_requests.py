@@ -9,13 +9,18 @@ for every ``Leg.D_LOAD`` request. Lifecycle of one request (its
    digest, transfer mode, TP size, a P lease another live request already
    uses, for a rejection notice). A refused request keeps a record without
    params: its load fails with ``bad_params``. Otherwise heartbeats to P
-   start at once. [WAITING] A request naming a lease another live request
+   start at once. [WAITING] A concurrent pull leg (``is_pull_wait``: sent
+   beside P's, naming no blocks) is parked instead (``d_pull_wait``): it
+   loads nothing until P's ``PullReady`` came, then continues as a
+   sequential pull leg with P's params and token #1. A request naming a lease another live request
    uses (the ``n`` > 1 children vLLM makes of one client request) follows
    that leader: it waits, loads nothing, and once the leader's load is over
    it leaves this book and computes what the prefix cache lacks (for a
    sibling, less than a block: the load filled the cache).
 2. ``matched_tokens`` (``get_num_new_matched_tokens``): every prompt token
-   D does not hold is loaded asynchronously.
+   D does not hold is loaded asynchronously (a parked request: not known
+   yet, vLLM asks again next step; a wait that failed ends the request
+   with an error, ``to_fail``).
 3. ``allocate`` (``update_state_after_alloc``): the mode's consumer
    (``d_pull.PullConsumer`` or ``d_push.PushConsumer``) pairs D's fresh
    blocks with P's; the spec (or the failure) goes into this step's payload.
@@ -39,11 +44,13 @@ import msgspec
 from vllm_pd_ext import compat
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.policy import FailureReason
+from vllm_pd_ext.scheduler.d_pull_wait import PullWaits
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
 from vllm_pd_ext.scheduler.legs import DecodedLeg
 from vllm_pd_ext.scheduler.load_state import Load, LoadState
 from vllm_pd_ext.wire import auth, telemetry
-from vllm_pd_ext.wire.protocol import KVTransferParams, TransferMode
+from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.protocol import KVTransferParams, ParamsError, TransferMode, decode_params
 from vllm_pd_ext.wire.specs import LayoutProblem, PushRecvSpec, RecvSpec
 
 logger = get_logger(__name__)
@@ -122,6 +129,11 @@ class DRequest(Load):
     landed_at: float = 0.0
     #: vLLM's request (``seed_pending`` only: the seed is appended to it).
     request: Any = None
+    #: Concurrent pull: waiting for P's ``PullReady`` (``d_pull_wait``);
+    #: ``params`` are the proxy's leg until it came, P's answer after.
+    parked: bool = False
+    #: Concurrent pull: when P's answer reached this engine (monotonic).
+    ready_at: float = 0.0
 
 
 @dataclass
@@ -150,7 +162,7 @@ def tp_size_problem(p_tp: int, d_tp: int) -> str:
 class DRequests:
     def __init__(self, *, mode: TransferMode, tp_size: int, mode_half: DMode,
                  heartbeats: HeartbeatSender, keep_turn: Callable[..., dict[str, Any] | None],
-                 telemetry_in_answer: bool) -> None:
+                 telemetry_in_answer: bool, waits: PullWaits | None = None) -> None:
         self.mode = mode
         self.tp_size = tp_size
         self.mode_half = mode_half
@@ -165,12 +177,21 @@ class DRequests:
         #: first sibling already finished must not load (P is done with it).
         self._ended: dict[tuple[str, str], tuple[str, str]] = {}
         self.out = StepOut()
+        #: Concurrent pull's parked requests (pull mode only).
+        self.waits = waits
+        #: Parked requests whose wait failed -> why: vLLM must end them with
+        #: an error (the client has P's token #1; ``take_requests_to_fail``).
+        self.to_fail: dict[str, str] = {}
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._reqs
 
     def __len__(self) -> int:
         return len(self._reqs)
+
+    def num_loading(self) -> int:
+        """Loads in flight (O(n): asked only in steps that schedule nothing)."""
+        return sum(1 for d in self._reqs.values() if d.state is LoadState.LOADING)
 
     # ---------------------------------------------------------------- arrival
     def arrive(self, rid: str, leg: DecodedLeg, request: Any) -> None:
@@ -179,9 +200,13 @@ class DRequests:
             self._refuse(rid, leg.problem)
             return
         pending = params.pd_seed_pending
-        if pending and (params.mode is not TransferMode.PUSH or params.pd_seeded_tokens):
-            self._refuse(rid, "kv_transfer_params.pd_seed_pending needs transfer_mode 'push' "
-                         "and no pd_seeded_tokens (token #1 comes with P's WRITE)", True)
+        parked = params.is_pull_wait
+        if pending and (params.pd_seeded_tokens or not (
+                params.mode is TransferMode.PUSH or (parked and self.waits is not None))):
+            self._refuse(rid, "kv_transfer_params.pd_seed_pending needs no pd_seeded_tokens and "
+                         "transfer_mode 'push' (token #1 comes with P's WRITE), or a pull leg "
+                         "naming no blocks on a pull engine (token #1 comes with P's answer)",
+                         True)
             return
         if params.pd_seeded_tokens and params.pd_seeded_tokens >= len(
                 request.prompt_token_ids or ()):
@@ -250,8 +275,13 @@ class DRequests:
         self._reqs[rid] = DRequest(params, lease=lease, arrived=time.monotonic(),
                                    api_s=compat.since_api_arrival(request),
                                    seed_pending=pending,
-                                   request=request if pending else None)
+                                   request=request if pending else None, parked=parked)
         assert params.remote_host is not None and params.remote_port is not None
+        if parked:
+            assert self.waits is not None
+            # No lease on P yet: heartbeats start with P's answer.
+            self.waits.park(rid, params)
+            return
         self.heartbeats.track(rid, (params.remote_host, params.remote_port), key)
         logger.info("PDConnector: request %s arrived for remote prefill %s on engine %s (%s)",
                     rid, key, params.remote_engine_id, params.mode.value)
@@ -281,12 +311,79 @@ class DRequests:
                 return None, False
             del self._reqs[rid]
             return 0, False
+        if d.parked and not self._unpark(request, d):
+            return None, False
         if d.state is not LoadState.WAITING:
             return 0, False
         # P's KV covers its prompt; seeded tokens after it are D's to compute.
         seeded = d.params.pd_seeded_tokens if d.params is not None else 0
         count = request.num_prompt_tokens - seeded - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _unpark(self, request: Any, d: DRequest) -> bool:
+        """A parked request: True once P's answer came and checked out
+        (``d.params`` are P's now, heartbeats run); False while it waits or
+        when its wait failed (then it is in ``to_fail``)."""
+        rid = request.request_id
+        if rid in self.to_fail:
+            return False
+        assert self.waits is not None and d.params is not None
+        wait = self.waits.take(rid)
+        if wait is None:
+            return False
+        ready = wait.ready
+        problem = wait.failed
+        if not problem and ready is not None and not ready.ok:
+            problem = f"P reports no KV: {ready.detail}"
+        params = None
+        if not problem and ready is not None:
+            problem, params = self._answer_params(request, d.params, ready)
+        if problem or params is None or ready is None:
+            self.fail_parked(rid, problem or "no answer from P")
+            return False
+        leg = d.params
+        d.params, d.parked, d.seed, d.ready_at = params, False, ready.first_token, wait.ready_at
+        assert leg.remote_host is not None and leg.remote_port is not None and d.lease
+        self.heartbeats.track(rid, (leg.remote_host, leg.remote_port), d.lease[1])
+        return True
+
+    def fail_parked(self, rid: str, why: str) -> None:
+        """A parked request's wait failed: vLLM ends it with an error."""
+        logger.error("PDConnector: request %s: %s; it ends with an error (the client has P's "
+                     "token #1; the proxy continues it elsewhere)", rid, why)
+        self.to_fail[rid] = why
+
+    def _answer_params(self, request: Any, leg: KVTransferParams, ready: proto.PullReady
+                       ) -> tuple[str, KVTransferParams | None]:
+        """P's answer in ``ready``, checked as a sequential pull leg's params
+        are (and against the leg: the same P, this wait's id): ("", params)
+        or (why not, None)."""
+        p = ready.params
+        if p is None:
+            return "P's answer carried no kv_transfer_params", None
+        try:
+            decode_params(msgspec.to_builtins(p))
+        except ParamsError as exc:
+            return f"P's answer: {exc}", None
+        if (p.remote_engine_id, p.remote_request_id, p.remote_host, p.remote_port) != (
+                leg.remote_engine_id, leg.pd_request_id, leg.remote_host, leg.remote_port):
+            return (f"P's answer names engine {p.remote_engine_id} at {p.remote_host}:"
+                    f"{p.remote_port}, lease {p.remote_request_id}; the leg named engine "
+                    f"{leg.remote_engine_id} at {leg.remote_host}:{leg.remote_port}, "
+                    f"{leg.pd_request_id}"), None
+        if p.mode is not TransferMode.PULL or not p.do_remote_prefill:
+            return f"P's answer is not a pull answer (transfer_mode={p.transfer_mode!r})", None
+        problem = tp_size_problem(p.tp_size, self.tp_size) if p.tp_size != self.tp_size else ""
+        if problem:
+            return problem, None
+        if p.remote_prompt_digest != auth.token_digest(list(request.prompt_token_ids or ())):
+            return ("P's answer comes from the prefill of another prompt (P's prompt digest "
+                    "differs from this request's): its KV would not match"), None
+        if ready.first_token < 0:
+            return "P's answer carried no token #1", None
+        return "", msgspec.structs.replace(
+            p, pd_request_id=leg.pd_request_id, pd_seed_pending=True,
+            pd_bidirectional=leg.pd_bidirectional, pd_sig=None)
 
     def allocate(self, request: Any, local_blocks: list[int], num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks: queue its load (or its failure)."""
@@ -326,7 +423,11 @@ class DRequests:
         return out
 
     def poll(self) -> dict[str, tuple[str, str]]:
-        """Push waits that ended without the KV this step (pull: none)."""
+        """Push waits that ended without the KV this step (pull: none; a
+        concurrent pull's parked requests whose wait failed go to ``to_fail``)."""
+        if self.waits is not None and self.waits.num_parked:
+            for rid, why in self.waits.poll().items():
+                self.fail_parked(rid, why)
         if not self.mode_half.num_waiting:
             return {}
         failed = self.mode_half.poll()
@@ -390,6 +491,8 @@ class DRequests:
             self._end_lease_use(d)
         self.heartbeats.untrack(rid)
         self.mode_half.loaded(rid)
+        if self.waits is not None:
+            self.waits.forget(rid)
 
     def on_records(self, records: list[telemetry.TransferRecord]) -> None:
         """Complete the workers' telemetry records with what only the scheduler
@@ -407,6 +510,8 @@ class DRequests:
                     "kv_ready_ms": telemetry.ms((d.landed_at or now) - d.arrived)}
                 if d.dispatched:
                     fill["sched_ms"] = telemetry.ms(d.dispatched - d.arrived)
+                if d.ready_at:
+                    fill["p_wait_ms"] = telemetry.ms(d.ready_at - d.arrived)
                 if d.api_s is not None:
                     fill["api_ms"] = telemetry.ms(d.api_s)
                 if not rec.p_engine:
@@ -439,6 +544,16 @@ class DRequests:
 
     def _finish(self, rid: str, d: DRequest, request: Any, block_ids: list[int]
                 ) -> dict[str, Any] | None:
+        self.to_fail.pop(rid, None)
+        if d.parked:
+            # Ended before P's answer was taken: P drops the wait, and
+            # frees the blocks it may already have lent for it.
+            assert self.waits is not None and d.params is not None
+            self._end_lease_use(d)
+            del self._reqs[rid]
+            self.waits.cancel(rid, (str(d.params.remote_host), int(d.params.remote_port or 0)),
+                              "request ended on D before P's answer")
+            return None
         before = d.state
         if d.end():
             self._end_lease_use(d)
@@ -451,6 +566,8 @@ class DRequests:
             if before is LoadState.WAITING or self.mode is TransferMode.PUSH:
                 self.heartbeats.untrack(rid)
             self.mode_half.end(rid, d.params, before)
+            if before is LoadState.WAITING and self.waits is not None:
+                self.waits.forget(rid)
             return None
         return self._keep_turn(request, block_ids, d.params)
 

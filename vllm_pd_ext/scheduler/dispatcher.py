@@ -42,6 +42,7 @@ from vllm_pd_ext.scheduler.counters import SchedulerCounters
 from vllm_pd_ext.scheduler.d_keep import TurnKeeper
 from vllm_pd_ext.scheduler.d_landing import LandingView
 from vllm_pd_ext.scheduler.d_pull import PullConsumer
+from vllm_pd_ext.scheduler.d_pull_wait import PullWaits
 from vllm_pd_ext.scheduler.d_push import PushConsumer
 from vllm_pd_ext.scheduler.d_requests import DMode, DRequests
 from vllm_pd_ext.scheduler.heartbeats import HeartbeatSender
@@ -69,6 +70,7 @@ class PDScheduler:
         self.cfg = cfg
         self.mode = cfg.transfer_mode
         self.engine_id = compat.engine_id(vllm_config)
+        self._kv_config = vllm_config.kv_transfer_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         #: Set by vLLM's SIGTERM/SIGINT (``compat.patches``): keep stepping
@@ -105,6 +107,10 @@ class PDScheduler:
             count=lambda why: self._stats.inc(f"readback_fallback_{why.value}"))
         self.producer: PushProducer | None = None
         self.consumer: PushConsumer | None = None
+        #: Pull: P's half (concurrent pull's waits are answered there).
+        self.pull_producer: PullProducer | None = None
+        #: Pull, D: concurrent pull legs parked until P's answer (d_pull_wait.py).
+        self.pull_waits: PullWaits | None = None
         self.p_mode: PMode
         d_mode: DMode
         if push:
@@ -118,12 +124,20 @@ class PDScheduler:
             # A lease P reports expired ends D's wait for its WRITE early.
             self.heartbeats.on_expired = self.consumer.lease_expired
         else:
-            self.p_mode = PullProducer(self.lender, self.tp_size)
+            self.p_mode = self.pull_producer = PullProducer(
+                self.lender, self.tp_size, self.engine_id, cfg.handshake_timeout,
+                auth=self.auth)
             d_mode = PullConsumer(self.block_size, self.tp_size, self.heartbeats)
+            # push_timeout / push_queue_timeout bound a concurrent pull's
+            # wait for P as they bound push's wait for P's WRITE.
+            self.pull_waits = PullWaits(self.engine_id, self.host, self.port, cfg.push_timeout,
+                                        cfg.push_queue_timeout, cfg.handshake_timeout,
+                                        auth=self.auth)
         self.d = DRequests(mode=self.mode, tp_size=self.tp_size, mode_half=d_mode,
                            heartbeats=self.heartbeats,
                            keep_turn=lambda r, ids, p: self.keeper.keep(r, ids, p, self._sweep),
-                           telemetry_in_answer=cfg.transfer_telemetry_in_response)
+                           telemetry_in_answer=cfg.transfer_telemetry_in_response,
+                           waits=self.pull_waits)
         #: P's requests, by id, from arrival to ``request_finished`` (D's are in ``d``).
         self._legs: dict[str, DecodedLeg] = {}
         #: This step's workers reported a KV load ended (``take_loads_reported``).
@@ -146,6 +160,13 @@ class PDScheduler:
                 and vllm_config.kv_transfer_config.is_kv_consumer):
             self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
             self.consumer.on_event = self.idle.wake
+        elif (self.pull_waits is not None and cfg.push_idle_wait_ms > 0
+              and vllm_config.kv_transfer_config.is_kv_consumer):
+            # A concurrent pull D parks its legs through P's prefill: the
+            # same empty steps as push's wait (and the same CPU taken from
+            # P on a shared host); P's answer wakes it.
+            self.idle = IdleWait(cfg.push_idle_wait_ms / 1e3)
+            self.pull_waits.on_event = self.idle.wake
         #: D, push: pushes seen landing before the workers report them
         #: (``enable_landing``, by the ``same_step_landing`` patch; d_landing.py).
         self.landing: LandingView | None = None
@@ -175,7 +196,9 @@ class PDScheduler:
         self._server = SideChannelServer(
             self.bind_host, self.port, self.engine_id, self.compat, agents, self.leases,
             push=_PushDispatch(self) if self.producer is not None else None, auth=self.auth,
-            on_activity=self.ringer.ring if self.ringer is not None else None)
+            on_activity=self.ringer.ring if self.ringer is not None else None,
+            pull=_PullDispatch(self) if self.pull_producer is not None else None)
+        self._is_producer = bool(getattr(self._kv_config, "is_kv_producer", True))
 
     def enable_landing(self) -> bool:
         """Turn the landing view on; False where D has no idle wait (not a push D)."""
@@ -376,13 +399,23 @@ class PDScheduler:
         if self.ringer is not None and self.consumer is not None and self.consumer.num_waiting:
             # P's WRITEs may land any time now: the pump collects their notifications.
             self.ringer.ring()
-        if not waited and self.idle is not None and self.consumer is not None and should_wait(
+        if not waited and self.idle is not None and should_wait(
                 int(getattr(scheduler_output, "total_num_scheduled_tokens", 1)),
-                self.consumer.num_waiting,
-                bool(out.recv or out.fail or out.push or push_fail),
+                self._num_waiting(),
+                bool(out.recv or out.fail or out.push or push_fail or self.d.to_fail),
                 len(getattr(scheduler_output, "finished_req_ids", ()) or ())):
             self.idle.wait()
         return meta
+
+    def _num_waiting(self) -> int:
+        """Requests D waits for P on: push's registrations, concurrent pull's
+        parked legs; 0 while a pull load is in flight (its worker reports
+        it only in a step, which an idle wait would delay)."""
+        if self.consumer is not None:
+            return self.consumer.num_waiting
+        if self.pull_waits is None or not self.pull_waits.num_parked or self.d.num_loading():
+            return 0
+        return self.pull_waits.num_parked
 
     def take_requests_to_fail(self) -> dict[str, str]:
         """The ``pd_seed_pending`` requests vLLM must end with an error now,
@@ -391,6 +424,10 @@ class PDScheduler:
         ``fail_seed_requests`` patch, right after the step's output was
         processed and before the next ``schedule()`` could promote them."""
         out, self._to_fail = self._to_fail, {}
+        if self.d.to_fail:
+            self._stats.inc("num_seed_failures", len(self.d.to_fail))
+            out.update(self.d.to_fail)
+            self.d.to_fail = {}
         return out
 
     def take_loads_reported(self) -> bool:
@@ -398,7 +435,9 @@ class PDScheduler:
         (done or failed): the next step has work with it, so the EngineCore
         need not pause first (``compat.engine.skip_idle_yield_when``)."""
         reported, self._loads_reported = self._loads_reported, False
-        return reported
+        # A concurrent pull's answer from P: the next step allocates its
+        # blocks and starts the READ.
+        return reported or (self.pull_waits is not None and self.pull_waits.has_news)
 
     def _sweep(self) -> None:
         """Free the blocks of released and expired leases (this thread only).
@@ -496,6 +535,10 @@ class PDScheduler:
             self.consumer.close()
         if self.idle is not None:
             self.idle.close()
+        if self.pull_producer is not None:
+            self.pull_producer.close()
+        if self.pull_waits is not None:
+            self.pull_waits.close()
         if self._server is not None:
             self._server.close()
         if self.ringer is not None:
@@ -530,3 +573,22 @@ class _PushDispatch:
     def on_release(self, msg: proto.LeaseRelease) -> None:
         if self.sched.producer is not None:
             self.sched.producer.on_release(msg)
+
+
+class _PullDispatch:
+    """Routes concurrent pull's side-channel messages: D's waits and
+    cancels to this engine's P half, P's answers to its D half."""
+
+    def __init__(self, sched: PDScheduler) -> None:
+        self.sched = sched
+
+    def handle(self, msg: proto.Request) -> proto.Reply:
+        if isinstance(msg, proto.PullReady):
+            assert self.sched.pull_waits is not None
+            return self.sched.pull_waits.handle(msg)
+        assert self.sched.pull_producer is not None
+        if not self.sched._is_producer:
+            # A hostile or confused peer: a decode-only engine holds no prefills.
+            return proto.ErrorReply(proto.ErrorCode.NOT_PRODUCER, f"engine "
+                                    f"{self.sched.engine_id} is not a KV producer")
+        return self.sched.pull_producer.handle(msg)

@@ -47,6 +47,11 @@ class PMode(Protocol):
         ``first_token``: the token P sampled (push sends it with the KV to a
         D that asks; pull's D gets it in its prompt)."""
 
+    def announce(self, key: str, request_id: str, params: KVTransferParams, first_token: int,
+                 expiry: float) -> None:
+        """The lease ``key`` exists and P's answer ``params`` name it
+        (concurrent pull tells a waiting D; push: nothing)."""
+
     def sweep(self) -> None:
         """Every step, before the lease sweep."""
 
@@ -88,8 +93,8 @@ def hand_over(p_mode: PMode, identity: KVTransferParams, request: Any, block_ids
     digest = auth.token_digest(request.prompt_token_ids)
     num_tokens = int(request.num_computed_tokens)
     try:
-        expiry = p_mode.lend(key, rid, list(block_ids), num_tokens, digest,
-                             compat.first_output_token(request))
+        first_token = compat.first_output_token(request)
+        expiry = p_mode.lend(key, rid, list(block_ids), num_tokens, digest, first_token)
     except KeyError:
         logger.error("PDConnector: prefill %s: pd_request_id %s is already in use; "
                      "blocks freed, no KV handed over", rid, key)
@@ -97,12 +102,14 @@ def hand_over(p_mode: PMode, identity: KVTransferParams, request: Any, block_ids
     stats.inc("num_leases_granted")
     logger.info("PDConnector: prefill %s done; lease on %d blocks for %.0f s",
                 rid, len(block_ids), lease_s)
-    return answer_params(msgspec.structs.replace(
+    answer = msgspec.structs.replace(
         identity,
         remote_block_ids=[list(block_ids)],
         remote_request_id=key,
         remote_num_tokens=num_tokens,
         remote_blocks_expiry_time=time.time() + (expiry - time.monotonic()),
         remote_prompt_digest=digest,
-    ))
+    )
+    p_mode.announce(key, rid, answer, first_token, expiry)
+    return answer_params(answer)
 

@@ -263,6 +263,10 @@ class PushProducer:
                 engine_id=self.engine_id, pd_request_id=pd_id, tp_rank=-1, ok=False,
                 detail=detail))
 
+    def announce(self, key: str, request_id: str, params: proto.KVTransferParams,
+                 first_token: int, expiry: float) -> None:
+        """Nothing: D registered, so ``lend`` already ordered the WRITE."""
+
     def sweep(self) -> None:
         with self.leases.atomic():
             gone = self.book.sweep()

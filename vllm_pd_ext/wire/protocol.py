@@ -28,6 +28,10 @@ different versions refuse each other at the handshake):
   registers with ``want_seed``; P's ``WriteOrder.seed`` is its token #1,
   which the WRITE's notification carries (``pdx:<tag>+<seed>/<id>``) and D
   appends to its prompt before its first step.
+- 9: concurrent pull (issue 29): a pull D leg with ``pd_seed_pending`` names
+  no blocks; D parks it and asks P (``PullWait``, answered ``PullWaiting``)
+  to send its answer when the prefill ends; P sends ``PullReady`` (its
+  params and token #1, or the failure); D cancels with ``PullWaitCancel``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 8
+PROTOCOL_VERSION: Final = 9
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -127,6 +131,7 @@ class ErrorCode(enum.StrEnum):
     UNAUTHENTICATED = "unauthenticated"
     NO_RANK = "no_rank"
     NOT_PUSH = "not_push"
+    NOT_PULL = "not_pull"
     NOT_PRODUCER = "not_producer"
     NOT_CONSUMER = "not_consumer"
     REFUSED = "refused"
@@ -196,10 +201,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     #: whose token #1 ended the answer (EOS, a stop token) is the whole answer
     #: and hands nothing over (no lease for a D leg that will never come).
     pd_first_token: bool = False
-    #: D leg (push): D's prompt is P's, and P's token #1 is not in it yet: it
-    #: arrives with the KV (the WRITE's notification) and D appends it before
-    #: its first step, which computes its KV and samples token #2. The proxy
-    #: sends this leg beside P's, before token #1 exists (protocol 8).
+    #: D leg: D's prompt is P's, and P's token #1 is not in it yet: it
+    #: arrives with the KV (push: the WRITE's notification; pull: P's
+    #: ``PullReady``, protocol 9) and D appends it before its first step,
+    #: which computes its KV and samples token #2. The proxy sends this leg
+    #: beside P's, before token #1 exists (protocol 8).
     pd_seed_pending: bool = False
 
     @property
@@ -208,6 +214,13 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
         return bool(self.do_remote_decode and not self.do_remote_prefill
                     and self.remote_block_ids and self.remote_engine_id
                     and self.remote_host and self.remote_port and self.remote_request_id)
+
+    @property
+    def is_pull_wait(self) -> bool:
+        """A concurrent pull D leg: sent before P's prefill ended, so it
+        names no blocks; D learns them (and token #1) from P's ``PullReady``."""
+        return bool(self.do_remote_prefill and self.pd_seed_pending and self.pd_request_id
+                    and self.mode is TransferMode.PULL and not self.remote_block_ids)
 
     @property
     def mode(self) -> TransferMode:
@@ -308,7 +321,8 @@ def decode_params(raw: Any, *, strict: bool = False) -> KVTransferParams | None:
         if params.remote_host is not None and not valid_host(params.remote_host):
             raise ParamsError(f"kv_transfer_params.remote_host is not a host name or IP "
                               f"address: {params.remote_host[:80]!r}")
-        if not push and not params.flat_remote_block_ids():  # also validates the shape
+        if not push and not params.is_pull_wait and not params.flat_remote_block_ids():
+            # (also validates the shape)
             raise ParamsError("kv_transfer_params.remote_block_ids is empty")
         if not 1 <= params.tp_size <= MAX_TP_SIZE:
             raise ParamsError(f"kv_transfer_params.tp_size must be in 1..{MAX_TP_SIZE}, "
@@ -601,6 +615,65 @@ class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):
     detail: str = ""
 
 
+class PullWait(msgspec.Struct, frozen=True, tag="pull_wait", kw_only=True):
+    """D -> P (pull, protocol 9): "send me your answer for ``pd_request_id``
+    at ``notify_host:notify_port`` once its prefill ends". D sent its leg
+    beside P's (``pd_seed_pending``), so P's blocks were not known yet. P
+    answers ``PullWaiting`` at once and keeps the wait ``ttl_s`` (D renews
+    it by sending it again); the answer itself comes as ``PullReady``."""
+
+    engine_id: EngineId
+    #: The P engine id D was told about; a restarted P refuses the wait.
+    expect_engine_id: EngineId
+    pd_request_id: RequestId
+    request_id: RequestId
+    notify_host: Host
+    notify_port: Port
+    ttl_s: Ttl
+
+
+class PullWaitState(enum.StrEnum):
+    """``PullWaiting.state``; on the wire as its string value."""
+
+    #: P has not seen the request yet: the wait is kept for ``ttl`` from now.
+    WAITING = "waiting"
+    #: P holds the request (queued or prefilling): the wait is kept for
+    #: ``ttl`` from now, and D may wait up to its queue timeout.
+    QUEUED = "queued"
+    #: The prefill had ended: ``PullReady`` is on its way (sent again).
+    READY = "ready"
+
+
+class PullWaiting(msgspec.Struct, frozen=True, tag="pull_waiting", kw_only=True):
+    engine_id: str
+    #: Any other string is refused at decode (``Invalid enum value ... $.state``).
+    state: PullWaitState
+
+
+class PullWaitCancel(msgspec.Struct, frozen=True, tag="pull_wait_cancel", kw_only=True):
+    """D -> P (pull): D's request ended before it read ``pd_request_id``: P
+    drops the wait and frees the blocks it lent (D will never read them)."""
+
+    engine_id: EngineId
+    pd_request_id: RequestId
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+class PullReady(msgspec.Struct, frozen=True, tag="pull_ready", kw_only=True):
+    """P -> D (pull, protocol 9): the prefill D waits for ended. ``ok``: its
+    blocks are leased to D under ``params`` (P's answer, as the proxy would
+    have forwarded it) and ``first_token`` is the token P sampled; else
+    ``detail`` says why no KV comes. D answers ``Ack``, or an ``unknown``
+    error when no request of its waits for it (P then frees the lease)."""
+
+    engine_id: EngineId
+    pd_request_id: RequestId
+    ok: bool
+    params: KVTransferParams | None = None
+    first_token: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
 class WriteTarget(msgspec.Struct, frozen=True, kw_only=True):
     """One D rank a P rank writes head slices to, when P and D shard
     differently (``tp_slices``): the rank's agent, the slices as ``(P head,
@@ -691,8 +764,9 @@ def notif_writer(tag: str) -> tuple[str, int, int]:
 
 
 Request = (HandshakeRequest | LeaseRenew | LeaseRelease | PushRegister | PushWaiting | PushAbort
-           | PushResult)
-Reply = HandshakeReply | LeaseStatus | Ack | ErrorReply | PushAccepted | PushAbortStatus
+           | PushResult | PullWait | PullWaitCancel | PullReady)
+Reply = (HandshakeReply | LeaseStatus | Ack | ErrorReply | PushAccepted | PushAbortStatus
+         | PullWaiting)
 
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -76,6 +76,13 @@ class PushHandler(Protocol):
     def on_release(self, msg: proto.LeaseRelease) -> None: ...
 
 
+class PullHandler(Protocol):
+    """Answers concurrent pull's messages (``PullWait``/``PullWaitCancel`` on
+    P, ``PullReady`` on D) on the side-channel thread."""
+
+    def handle(self, msg: proto.Request) -> proto.Reply: ...
+
+
 class SideChannelServer:
     """ROUTER socket + daemon thread answering handshakes and lease messages.
 
@@ -95,6 +102,7 @@ class SideChannelServer:
         push: PushHandler | None = None,
         auth: FrameAuth | None = None,
         on_activity: Callable[[], None] | None = None,
+        pull: PullHandler | None = None,
     ) -> None:
         self.engine_id = engine_id
         #: Called on this thread for every well-formed message a peer may
@@ -106,6 +114,7 @@ class SideChannelServer:
         self._auth_logged_at = -1e9
         self._auth_unlogged = 0
         self.push = push
+        self.pull = pull
         self.compat = compat
         self.agents = agents
         self.leases = leases
@@ -117,6 +126,9 @@ class SideChannelServer:
             proto.PushWaiting: self._on_push,
             proto.PushAbort: self._on_push,
             proto.PushResult: self._on_push,
+            proto.PullWait: self._on_pull,
+            proto.PullWaitCancel: self._on_pull,
+            proto.PullReady: self._on_pull,
         }
         self.address = f"tcp://{host}:{port}"
         self._ctx = zmq.Context()
@@ -324,6 +336,13 @@ class SideChannelServer:
             return proto.ErrorReply(
                 ErrorCode.NOT_PUSH, f"engine {self.engine_id} does not run transfer_mode='push'")
         return self.push.handle(msg)
+
+    def _on_pull(self, msg: proto.PullWait | proto.PullWaitCancel | proto.PullReady
+                 ) -> proto.Reply:
+        if self.pull is None:
+            return proto.ErrorReply(
+                ErrorCode.NOT_PULL, f"engine {self.engine_id} does not run transfer_mode='pull'")
+        return self.pull.handle(msg)
 
     def _no_leases(self) -> proto.Reply:
         return proto.ErrorReply(ErrorCode.NOT_PRODUCER, f"engine {self.engine_id} holds no leases")

@@ -77,6 +77,10 @@ class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     api_ms: float | None = None
     #: D's scheduler: the request's arrival to its KV reported loaded.
     kv_ready_ms: float | None = None
+    #: Concurrent pull: D's scheduler seeing the request to P's answer
+    #: (``PullReady``) reaching D: P's queue and prefill, overlapped.
+    #: ``kv_ready - p_wait`` is what the handoff cost D after P was done.
+    p_wait_ms: float | None = None
     #: D's scheduler: the request's arrival to its load leaving in the
     #: step's metadata for the workers (the rest of that scheduler pass).
     sched_ms: float | None = None

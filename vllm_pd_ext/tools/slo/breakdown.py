@@ -91,7 +91,7 @@ def summarize_breakdowns(results: Iterable[RequestResult]) -> dict[str, Any]:
 
 HANDOFF = ("first_gap_ms", "decode_step_ms", "transfer_ms", "gap_ratio", "handoff_ms",
            "orchestration_ms", "to_d_ms", "pin_ms", "step_wait_ms",
-           "sched_ms", "worker_extra_ms", "crossings_ms")
+           "sched_ms", "worker_extra_ms", "crossings_ms", "after_p_ms")
 
 
 def handoff_of(result: RequestResult) -> dict[str, float] | None:
@@ -106,8 +106,9 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     - ``transfer_ms``: the bytes' own time: pull's READ (``read_ms``); push's
       wait for P's WRITE (``write_wait_ms``: P's post, the WRITE and its
       notification, so push's orchestration below is a lower bound); 0 for
-      push's concurrent dispatch (``seeded:concurrent``: the wait spans P's
-      prefill), so its ratio and orchestration are upper bounds;
+      push's concurrent dispatch (``seeded:concurrent`` without ``read_ms``:
+      the wait spans P's prefill), so its ratio and orchestration are upper
+      bounds; a concurrent pull's READ is its own (``read_ms``);
     - ``gap_ratio``: ``first_gap / (transfer + decode_step)`` (1: nothing
       beyond the bytes and the step that needs them);
     - ``handoff_ms``: P's answer to D's KV ready (proxy and D clocks);
@@ -127,7 +128,11 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
       ``worker_extra_ms`` (in D's worker beyond the pin and READ: handshake,
       posting, and waiting for a step to report) and ``crossings_ms`` (the
       remainder: the two crossings of vLLM's step queues, scheduler to
-      workers and back, with the work of the steps around them).
+      workers and back, with the work of the steps around them);
+    - ``after_p_ms`` (concurrent pull, the record's ``p_wait_ms``): P's
+      answer reaching D to D's KV ready, on D's clock alone: what the
+      handoff cost D once P was done (its ``step_wait_ms`` is this less
+      the pin and READ).
     """
     tele = result.telemetry
     if not isinstance(tele, Mapping) or len(result.itl_s) < 2:
@@ -142,7 +147,7 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
     if moved is None:
         moved = _number(transfer, "write_wait_ms")
     concurrent = proxy.get("first_token") == "seeded:concurrent"
-    if concurrent and moved is not None:
+    if concurrent and moved is not None and _number(transfer, "read_ms") is None:
         # D's leg went out with P's: its wait for the WRITE spans P's
         # prefill, not the bytes. Counted as 0, so the gap ratio and the
         # orchestration are upper bounds (the WRITE itself is P's
@@ -164,8 +169,12 @@ def handoff_of(result: RequestResult) -> dict[str, float] | None:
            "gap_ratio": gap / (moved + step) if moved + step > 0 else 0.0,
            "handoff_ms": handoff, "orchestration_ms": max(0.0, handoff - moved),
            "to_d_ms": max(0.0, handoff - ready), "pin_ms": pin}
+    p_wait = _number(transfer, "p_wait_ms")
     if not concurrent:  # (concurrent: ``kv_ready`` spans P's prefill)
         out["step_wait_ms"] = max(0.0, ready - waited)
+    elif p_wait is not None:  # concurrent pull: from P's answer on
+        out["after_p_ms"] = max(0.0, ready - p_wait)
+        out["step_wait_ms"] = max(0.0, ready - p_wait - waited)
     sched, worker = _number(transfer, "sched_ms"), _number(transfer, "worker_ms")
     if sched is not None and worker is not None:
         out.update(sched_ms=sched, worker_extra_ms=max(0.0, worker - waited),
