@@ -166,8 +166,8 @@ def describe_first_token(paths: dict[str, float]) -> str:
     if paths.get("seeded"):
         return "from P, D continued from token #2"
     if paths.get("seeded:concurrent"):
-        return ("from P, D continued from token #2 (D's leg went out with P's; token #1 "
-                "came with the KV)")
+        return ("from P, D continued from token #2 (D's leg went out with P's, before "
+                "token #1 existed; D appended it when P's KV came)")
     return str(paths)
 
 
