@@ -3,13 +3,15 @@
 Lifecycle: the app's cleanup context creates one :class:`HealthMonitor` with
 the shared ClientSession and starts :meth:`HealthMonitor.run`, a background
 task that every ``--health-interval`` seconds sends ``GET /health`` to every
-backend and, where the proxy sends D's leg with P's identity
-(``ProxyConfig.probes_identity``: push, and pull with
-``--concurrent-dispatch``), re-probes the identity of each healthy prefill
+backend and, in push mode, re-probes the identity of each healthy prefill
 engine that nothing confirmed for ``IDENTITY_STALE_ROUNDS`` rounds (an
 engine restart changes its ``remote_engine_id``; every such P answer names
 the engine that served it, so a prefill engine with traffic is never
-probed, and an idle one once per that many rounds). The request path calls
+probed, and an idle one once per that many rounds). A pull proxy with
+``--concurrent-dispatch`` (``ProxyConfig.probes_identity``) probes no
+identity in its rounds: a pull D leg can always go sequentially, so the
+identity is probed only when a concurrent pull first needs it, refreshed
+by every answer, and dropped when the engine comes back from away. The request path calls
 :meth:`check_soon` after a failed leg (so a dead engine leaves rotation within
 milliseconds instead of at the next round), :meth:`ensure_identity` when a
 prefill engine has not been probed yet, and
@@ -86,6 +88,11 @@ class HealthMonitor:
         # probes (the probe is a forward step on P that nothing needs then).
         self._identities = config.probes_identity
         self._mode = TransferMode(config.transfer_mode)
+        # Only push re-probes in its rounds. A pull round's probe would put a
+        # forward step on P (and a prompt token in its counters) while no
+        # request needs the identity; a pull P with traffic confirms it by
+        # its answers, and one that restarted is caught by its first answer.
+        self._round_probes = self._mode is TransferMode.PUSH
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending_checks: set[Backend] = set()
         self._probing: dict[Backend, asyncio.Task[PrefillIdentity]] = {}
@@ -103,7 +110,7 @@ class HealthMonitor:
         """Probe forever; the first round starts immediately."""
         while True:
             try:
-                await self.round(with_identity=self._identities, only_stale=True)
+                await self.round(with_identity=self._round_probes, only_stale=True)
             except Exception:  # keep the loop alive whatever one round hits
                 logger.exception("health round failed")
             await asyncio.sleep(self._config.health_interval)

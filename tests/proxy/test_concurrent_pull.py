@@ -21,6 +21,7 @@ import pytest
 from pdproxy_helpers import parse_sse, wait_for
 from test_first_token_flow import CHAT, PROMPT, first_token_counts, reference, text
 from token_engine import Faults, TokenEngine, stream_text, tokenize
+from vllm_pd_proxy.app import MONITOR, PREFILL
 from vllm_pd_proxy.config import ProxyConfig
 
 N = 6
@@ -170,6 +171,26 @@ async def test_without_concurrent_dispatch_the_pull_is_sequential_and_never_prob
     assert first_token_counts(client) == {("seeded", ""): 1}
 
 
+async def test_health_rounds_probe_no_pull_identity_the_first_concurrent_request_does(
+        engines, proxy):
+    """A pull proxy's rounds put no forward step on P: the identity is
+    probed once, by the first request that can go concurrently, then
+    confirmed by P's answers."""
+    p, (d,), client = await pair(engines, proxy, health_interval=0.05)
+    await wait_for(lambda: len(p.health_checks()) >= 8)  # eight rounds and more
+    assert p.probes() == []
+    for stream in (False, True):
+        path, body = request(False, stream)
+        resp = await client.post(path, json=body)
+        assert resp.status == 200
+        await resp.read()
+    checks = len(p.health_checks())
+    await wait_for(lambda: len(p.health_checks()) >= checks + 8)
+    assert len(p.probes()) == 1
+    assert [leg["kv_transfer_params"].get("pd_seed_pending") for leg in d.override.bodies] == [
+        True, True]
+
+
 def test_identity_is_probed_in_pull_only_with_concurrent_dispatch():
     assert ProxyConfig(transfer_mode="pull").probes_identity
     assert not ProxyConfig(transfer_mode="pull", concurrent_dispatch=False).probes_identity
@@ -228,7 +249,12 @@ async def test_an_engine_refusing_its_leg_unrun_sends_the_pair_again_elsewhere(
     drained = ps[0] if which == "prefill" else ds[0]
     health = await (await client.get("/health")).json()
     assert all(b["state"] == "healthy" for b in health[which])
-    await wait_for(lambda: all(e.probes() for e in ps))  # the first round's, answered
+    # Identities known before the drain (a pull round probes none: the
+    # first concurrent request to each P would).
+    monitor = client.server.app[MONITOR]
+    for backend in client.server.app[PREFILL].backends:
+        await monitor.ensure_identity(backend)
+    assert all(len(e.probes()) == 1 for e in ps)
     drained.draining = True
     path, body = request(False, True)
     for _ in range(2):
