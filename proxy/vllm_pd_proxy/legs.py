@@ -110,22 +110,13 @@ def pull_prefill_params(first_token: bool = False,
 
 def pull_wait_decode_params(identity: PrefillIdentity, request_id: str) -> dict[str, Any]:
     """D-leg params of a concurrent pull, sent with P's leg: which P to ask
-    for the blocks of ``pd_request_id`` (no ``remote_block_ids``: D learns
-    them, and token #1, from P once the prefill is done). D keeps no turn:
-    token #1 from P is never a multi-turn request."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": identity.engine_id,
-        "remote_host": identity.host,
-        "remote_port": identity.port,
-        "tp_size": identity.tp_size,
-        "remote_request_id": request_id,
-        "pd_request_id": request_id,
-        "transfer_mode": TransferMode.PULL.value,
-        "pd_seed_pending": True,
-        "pd_bidirectional": False,
-    }
+    for the blocks of ``pd_request_id`` (push's D leg in pull mode, no
+    ``remote_block_ids``: D learns them, and token #1, from P once the
+    prefill is done). D keeps no turn: token #1 from P is never a
+    multi-turn request."""
+    return dict(push_decode_params(identity, request_id),
+                transfer_mode=TransferMode.PULL.value, pd_seed_pending=True,
+                pd_bidirectional=False)
 
 
 def push_prefill_params(request_id: str, first_token: bool = False) -> dict[str, Any]:
