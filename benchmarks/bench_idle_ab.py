@@ -41,10 +41,29 @@ counts them 0 there (an upper bound).
     python benchmarks/bench_idle_ab.py --transfer-mode pull --length 128 --rounds 30
     python benchmarks/bench_idle_ab.py --transfer-mode push --ab-landing --rounds 30
 
-``--ab-landing`` replaces push-seq with ``push-no-landing``: a second D on
-D's core with ``same_step_landing: false``, behind its own proxy, while the
-main D runs with it on, so the two D's are compared request by request in
-one run (``--no-same-step-landing`` with it: the A/A run).
+``--prefix-hit`` adds two arms on a third engine, a plain vLLM engine
+like aggregated (core 0): ``hit-as-d`` and ``hit-warm``. Each sends a
+prompt of ``hit_length(--length)`` token ids (a whole number of 128-token
+blocks, vLLM's CPU default, plus one) twice: once to fill the engine's
+prefix cache (one output token, not measured), then the measured request,
+whose first step computes one token over a cached context: D's first step
+after a KV load, with the KV from the engine's own cache instead of P.
+``hit-as-d`` waits between the two as long as D idled in the latest
+disaggregated request (its TTFT: D waits through P's queue and prefill
+with nothing to compute), ``hit-warm`` does not. Their TTFT is vLLM's own
+cost of a request's first step over cached KV, the part of the
+disaggregated gap #1 -> #2 that is not the handoff. On this host an
+engine's first step grows with the time it idled before, whether or not
+vLLM's queue readers spin (``bench_idle_cost.py``): the two arms tell that
+host cost apart from vLLM's admission. With ``--step-trace`` the engine's
+split sits beside D's.
+
+``--ab-landing`` replaces the -seq arm with ``push-no-landing`` (or
+``pull-no-landing``): a second D on D's core with ``same_step_landing:
+false``, behind its own proxy, while the main D runs with it on, so the two
+D's are compared request by request in one run (``--no-same-step-landing``
+with it: the A/A run). In pull the key moves a concurrent pull D's idle
+wait for P's answer before ``schedule()``.
 
 Engines and proxies are started and ended by PID; logs and a JSON of every
 request stay under ``--out-dir``.
@@ -55,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -93,6 +113,17 @@ LANDED = "vllm:pd_ext_landed_before_step_total"
 #: ``_finish_ok``): ``pushed <pd_request_id> ... , <ms> ms``. The one place
 #: a concurrent push's bytes are timed: D's record cannot tell the WRITE
 #: from P's prefill (it waits through both), so its gap ratio counts them 0.
+#: Prefix-cache hits (tokens) of each measured ``--prefix-hit`` request,
+#: from the hit engine's ``/metrics`` around it, per arm.
+HIT_TOKENS: dict[str, list[float]] = {}
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+#: vLLM's default KV block size on CPU (``platforms/cpu.py``): prefix
+#: caching hits whole blocks only.
+CPU_BLOCK = 128
+HIT_ARMS = ("hit-as-d", "hit-warm")
+#: ``hit-as-d``'s idle before its first request, until a disaggregated
+#: request has measured D's (s).
+HIT_IDLE_DEFAULT_S = 0.1
 PUSHED = re.compile(r"PDConnector: pushed (\S+) to engine .*, ([0-9.]+) ms$")
 
 
@@ -111,11 +142,12 @@ def parse_args() -> argparse.Namespace:
                    help="seconds of quiet after each request (over 1 s: see the code)")
     p.add_argument("--out-dir", default=".runs/idle-ab")
     p.add_argument("--ab-landing", action="store_true",
-                   help="push: instead of push-seq, a second D (same core as D, "
+                   help="instead of the -seq arm, a second D (same core as D, "
                         "same_step_landing false) behind its own proxy: the arm "
-                        "push-no-landing, interleaved with push request by request")
+                        "push-no-landing (pull-no-landing), interleaved with the main "
+                        "arm request by request")
     p.add_argument("--same-step-landing", choices=("on", "off"), default=None,
-                   help="push: the main D's same_step_landing (default: on with "
+                   help="the main D's same_step_landing (default: on with "
                         "--ab-landing, the A/B; else the connector's default, off)")
     p.add_argument("--no-same-step-landing", dest="same_step_landing", action="store_const",
                    const="off", help="the same as --same-step-landing off (with "
@@ -125,6 +157,10 @@ def parse_args() -> argparse.Namespace:
                         "(VLLM_PD_EXT_STEP_TRACE) and print the split "
                         "(tools/step_split.py); in push without --ab-landing, D's rows "
                         "hold both push arms' requests")
+    p.add_argument("--prefix-hit", action="store_true",
+                   help="add the arms hit-as-d and hit-warm on a third, plain engine: a "
+                        "request whose first step computes one token over a prefix-cache "
+                        "hit (D's first step without a handoff); see the module's text")
     p.add_argument("--no-pin-client", dest="pin_client", action="store_false",
                    help="leave the client and the proxies where the OS puts them (by "
                         "default they run on the core that does not compute the arm's "
@@ -143,6 +179,13 @@ def main_d_landing(args: argparse.Namespace) -> bool:
     return bool(args.ab_landing)
 
 
+def hit_length(length: int, block: int = CPU_BLOCK) -> int:
+    """The ``--prefix-hit`` arms' prompt length nearest ``length`` whose
+    first step computes exactly one token: whole blocks hit, the last token
+    is computed (vLLM never serves a whole prompt from its cache)."""
+    return max(1, round(length / block)) * block + 1
+
+
 def client_core(name: str, cores: tuple[str, ...]) -> int:
     """Where the benchmark client runs for arm ``name``: on the core that does
     not compute the arm's tokens. Aggregated computes on ``cores[0]``; P and D
@@ -151,7 +194,7 @@ def client_core(name: str, cores: tuple[str, ...]) -> int:
     idle by then. Left unpinned, the OS put them on D's core often enough to
     slow D's first step by 1 to 3 ms (issue 29's gap), and on aggregated's core
     during its step 2; on a GPU host neither shares a core with the model."""
-    return int(cores[1] if name == "aggregated" else cores[0])
+    return int(cores[1] if name == "aggregated" or name in HIT_ARMS else cores[0])
 
 
 def pin_process(pid: int, core: int) -> None:
@@ -170,7 +213,8 @@ def arms(dep: Deployment, agg: Engine, seq: Proxy | None, seq_name: str) -> dict
 
 
 def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[TraceRequest]:
-    """One prompt per (round, arm), ``--length`` tokens each, as text."""
+    """One prompt per (round, arm), ``--length`` tokens each, as text (the
+    ``--prefix-hit`` arms replace theirs: ``interleave``)."""
     count = (args.warmup + args.rounds) * len(names)
     trace = [TraceRequest(index=i, at_s=0.0,
                           prompt=make_prompt(SEED, args.length, i, args.length),
@@ -181,12 +225,16 @@ def prompts(args: argparse.Namespace, names: list[str], tokenizer: Any) -> list[
 
 
 async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest],
-                     pause: float, ds: dict[str, Engine], cores: tuple[str, ...] | None
+                     pause: float, ds: dict[str, Engine], cores: tuple[str, ...] | None,
+                     hit: Engine | None = None, hit_len: int = 0, main_arm: str = ""
                      ) -> dict[str, list[RequestResult]]:
     """One request at a time, every arm in turn; ``ds``: each disaggregated
     arm's D; ``cores``: pin this process per arm (``client_core``), else
-    leave it where it is."""
+    leave it where it is; ``hit``: the engine of the ``--prefix-hit`` arms,
+    whose prompts are ``hit_len`` token ids, each sent first to fill its
+    prefix cache (``hit-as-d`` idles as long as ``main_arm``'s D last did)."""
     names = list(urls)
+    d_idle_s = HIT_IDLE_DEFAULT_S
     out: dict[str, list[RequestResult]] = {n: [] for n in names}
     rounds = len(trace) // len(names)
     for r in range(rounds):
@@ -195,12 +243,26 @@ async def interleave(urls: dict[str, str], model: str, trace: list[TraceRequest]
             req = trace[r * len(names) + k]
             if cores is not None:
                 os.sched_setaffinity(0, {client_core(name, cores)})
+            if hit is not None and name in HIT_ARMS:
+                req = dataclasses.replace(
+                    req, prompt=make_prompt(SEED, hit_len, req.index, hit_len))
+                await run_point([urls[name]], model,
+                                [dataclasses.replace(req, output_tokens=1, warmup=True)],
+                                timeout_s=600, progress=False)
+                if name == "hit-as-d":
+                    await asyncio.sleep(d_idle_s)
+                hits = hit.metrics().get(PREFIX_HITS, 0.0)
             at = time.time()
             d = ds.get(name)
             seen = d.metrics() if d is not None else {}
             got, _ = await run_point([urls[name]], model, [req], timeout_s=600,
                                      progress=False)
             out[name].append(got[0])
+            if name == main_arm and got[0].ok and got[0].ttft_s:
+                d_idle_s = got[0].ttft_s
+            if hit is not None and name in HIT_ARMS and not req.warmup:
+                HIT_TOKENS.setdefault(name, []).append(
+                    hit.metrics().get(PREFIX_HITS, 0.0) - hits)
             if d is not None and not req.warmup:
                 now = d.metrics()
                 D_FIRST_STEP.setdefault(name, []).append(
@@ -239,6 +301,38 @@ def gap_table(results: dict[str, list[RequestResult]]) -> list[str]:
                              if d.ok and a.ok and d.itl_s and a.itl_s and a.itl_s[0] > 0], 50)
         lines.append(f"| {name} | {fmt(gap)} | {fmt(first)} | {fmt(step)} | {fmt(rest)} "
                      f"| {fmt(agg_gap)} | {fmt(paired, 2)} |")
+    return lines
+
+
+def hit_table(results: dict[str, list[RequestResult]]) -> list[str]:
+    """The ``--prefix-hit`` arms beside the disaggregated arms' gap #1 -> #2
+    and aggregated's, p50 ms: each hit arm's TTFT, its decode step, and
+    the prefix-cache hits each measured request got (all but one token, or
+    the arm did not measure what it says)."""
+    lines = ["| arm | requests ok | TTFT (first step over cached KV) p50 / p99 ms "
+             "| decode step p50 ms | TTFT / decode step p50 | cached tokens per request p50 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in HIT_ARMS:
+        rs = [r for r in results.get(name, []) if not r.warmup]
+        ok = [r for r in rs if r.ok and r.ttft_s is not None]
+        ttft = [1000 * r.ttft_s for r in ok if r.ttft_s is not None]
+        step = [1000 * statistics.median(r.itl_s) for r in ok if r.itl_s]
+        ratio = [r.ttft_s / statistics.median(r.itl_s) for r in ok
+                 if r.ttft_s is not None and r.itl_s and statistics.median(r.itl_s) > 0]
+        lines.append(f"| {name} | {len(ok)}/{len(rs)} | {fmt(percentile(ttft, 50))} / "
+                     f"{fmt(percentile(ttft, 99))} | {fmt(percentile(step, 50))} "
+                     f"| {fmt(percentile(ratio, 50), 2)} "
+                     f"| {fmt(percentile(HIT_TOKENS.get(name, []), 50), 0)} |")
+    for name, rs in results.items():
+        if name in HIT_ARMS:
+            continue
+        ok = [r for r in rs if not r.warmup and r.ok and len(r.itl_s) > 1]
+        gap = [1000 * r.itl_s[0] for r in ok]
+        step = [1000 * statistics.median(r.itl_s[1:]) for r in ok]
+        per_step = [g / t for g, t in zip(gap, step, strict=True) if t]
+        lines.append(f"| {name}: gap #1 -> #2 | {len(ok)} | {fmt(percentile(gap, 50))} / "
+                     f"{fmt(percentile(gap, 99))} | {fmt(percentile(step, 50))} "
+                     f"| {fmt(percentile(per_step, 50), 2)} | |")
     return lines
 
 
@@ -333,6 +427,11 @@ def main() -> None:
                  max_model_len=dep.max_model_len, taskset=True)
     seq: Proxy | None = None
     d2: Engine | None = None
+    hit: Engine | None = None
+    if args.prefix_hit:
+        hit = Engine("agg-hit", model, out / "logs" / "prefix-hit", connector=None, role=None,
+                     cpu_bind=dep.cores[0], kv_bytes=dep.kv_bytes,
+                     max_model_len=dep.max_model_len, taskset=True)
     traced: dict[str, Path] = {}
     if args.step_trace:
         shutil.rmtree(out / "steps", ignore_errors=True)  # the files are appended to
@@ -341,14 +440,20 @@ def main() -> None:
         agg.env[STEP_TRACE_ENV] = str(traced["aggregated"])
         dep.engines[0].env[STEP_TRACE_ENV] = str(traced["P"])
         dep.engines[1].env[STEP_TRACE_ENV] = str(traced["D"])
+        if hit is not None:
+            traced["aggregated, prefix hit"] = out / "steps" / "prefix-hit"
+            hit.env[STEP_TRACE_ENV] = str(traced["aggregated, prefix hit"])
     started = time.monotonic()
     try:
         agg.start()
+        if hit is not None:
+            hit.start()
         dep.start()
         p, d = dep.engines
         if args.ab_landing:
             # The same D (its extra config, its core), but for the landing.
-            d2 = Engine("d-no-landing", model, out / "logs" / "push-no-landing",
+            d2 = Engine("d-no-landing", model,
+                        out / "logs" / f"{args.transfer_mode}-no-landing",
                         role="kv_consumer", cpu_bind=d.cpu_bind, kv_bytes=dep.kv_bytes,
                         max_model_len=dep.max_model_len, taskset=True,
                         extra_config={**d.extra_config, "same_step_landing": False},
@@ -358,21 +463,26 @@ def main() -> None:
                 d2.env[STEP_TRACE_ENV] = str(traced["D without the landing"])
             d2.start()
         agg.wait_ready(timeout=900)
+        if hit is not None:
+            hit.wait_ready(timeout=900)
         ds = {dep.transfer_mode: d}
-        if args.transfer_mode == "push" and d2 is not None:
+        if d2 is not None:
             d2.wait_ready(timeout=900)
-            seq = Proxy([p.url], [d2.url], out / "logs" / "push-no-landing", args=[
-                "--transfer-mode", "push", "--transfer-telemetry", "--queue-timeout",
-                "3600", "--local-prefill-threshold", "0"]).start().wait_ready(60)
-            ds["push-no-landing"] = d2
+            seq = Proxy([p.url], [d2.url], out / "logs" / f"{args.transfer_mode}-no-landing",
+                        args=["--transfer-mode", args.transfer_mode, "--transfer-telemetry",
+                              "--queue-timeout", "3600", "--local-prefill-threshold", "0"]
+                        ).start().wait_ready(60)
+            ds[f"{args.transfer_mode}-no-landing"] = d2
         else:
             seq_name = f"{args.transfer_mode}-seq"
             seq = Proxy([p.url], [d.url], out / "logs" / seq_name, args=[
                 "--transfer-mode", args.transfer_mode, "--transfer-telemetry",
                 "--no-concurrent-dispatch", "--queue-timeout", "3600"]).start().wait_ready(60)
             ds[seq_name] = d
-        urls = arms(dep, agg, seq, "push-no-landing" if d2 is not None
+        urls = arms(dep, agg, seq, f"{args.transfer_mode}-no-landing" if d2 is not None
                     else f"{args.transfer_mode}-seq")
+        if hit is not None:
+            urls.update({name: hit.url for name in HIT_ARMS})
         if args.pin_client:
             for proxy in (dep.proxy, seq):
                 if proxy is not None and proxy.proc is not None:
@@ -381,7 +491,8 @@ def main() -> None:
               flush=True)
         trace = prompts(args, list(urls), tokenizer)
         results = asyncio.run(interleave(urls, model, trace, args.pause, ds,
-                                         dep.cores if args.pin_client else None))
+                                         dep.cores if args.pin_client else None,
+                                         hit, hit_length(args.length), dep.transfer_mode))
     finally:
         if seq is not None:
             seq.stop()
@@ -389,14 +500,23 @@ def main() -> None:
             d2.stop()
         dep.stop()
         agg.stop()
+        if hit is not None:
+            hit.stop()
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_bytes(msgspec.json.encode(
         {"config": vars(args), "results": results, "stamps": STAMPS,
-         "d_first_step_ms": D_FIRST_STEP, "d_landed_before_step": D_LANDED}))
+         "d_first_step_ms": D_FIRST_STEP, "d_landed_before_step": D_LANDED,
+         "prefix_hit_tokens": HIT_TOKENS}))
     print(f"\n{Path(args.model).name}, {args.length} tokens, {args.transfer_mode}, "
           f"{args.rounds} rounds after {args.warmup} warm-up, one request at a time "
           f"({json.dumps(str(out / 'result.json'))}):\n")
-    print("\n".join(table(results)))
+    print("\n".join(table({n: rs for n, rs in results.items() if n not in HIT_ARMS})))
+    if hit is not None:
+        print(f"\nA request's first step over a prefix-cache hit ({hit_length(args.length)} "
+              "token ids, all but the last cached), on a plain engine: its TTFT is "
+              "D's gap #1 -> #2 without a handoff (admission + a one-token step + the "
+              "output path)\n")
+        print("\n".join(hit_table(results)))
     print("\nWhere the gap #1 -> #2 goes (p50, ms): D's first step is vLLM's own "
           "request_prefill_time on D (scheduled after the KV arrived, to token #2 "
           "leaving its engine core); the rest is the KV's arrival after P's answer, "
@@ -415,7 +535,7 @@ def main() -> None:
         writes = write_times(dep.engines[0].log_path)
         print(f"\nPush: the gap against P's WRITE time ({len(writes)} WRITEs in P's log)\n")
         print("\n".join(write_table(results, writes)))
-    for name, landed in D_LANDED.items():
+    for name, landed in D_LANDED.items() if args.transfer_mode == "push" else ():
         print(f"{name}: {sum(landed)} of {len(landed)} loads seen landing by D's scheduler "
               "before its workers' report (same_step_landing)")
     for name, folder in traced.items():

@@ -10,6 +10,14 @@ engine's own time for it (vLLM's ``request_prefill_time``, scheduled to
 first token) and the request's, p50 of ``--rounds`` per pause.
 
     python benchmarks/bench_idle_cost.py --pauses 0,0.02,0.2,1.5 --rounds 10
+    python benchmarks/bench_idle_cost.py --quiet ...   # readers asleep, as in P and D
+
+vLLM's own shared-memory queue readers spin for 1 s after every message;
+``--quiet`` starts the engine with ``VLLM_PD_EXT_QUIET_SHM_SPIN=1``, so they
+sleep on the queue's notification at once, as PDConnector makes P's and
+D's on CPU (``quiet_shm_spin``): whether the idle cost is the vCPU halting
+while nothing spins (then only ``--quiet`` pays it) or the engine's working
+set leaving the caches (then both do).
 
 The engine is started and ended by PID; its log stays under ``--out-dir``.
 """
@@ -23,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_pd_ext import QUIET_SPIN_ENV
 from vllm_pd_ext.tools.launch import Engine
 
 PREFILL_SUM = "vllm:request_prefill_time_seconds_sum"
@@ -35,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--core", default="1")
+    p.add_argument("--quiet", action="store_true",
+                   help="the engine's queue readers sleep instead of spinning 1 s "
+                        "(VLLM_PD_EXT_QUIET_SHM_SPIN=1, as in P and D on CPU)")
     p.add_argument("--out-dir", default=".runs/idle-cost")
     return p.parse_args()
 
@@ -53,7 +65,8 @@ def main() -> None:
     args = parse_args()
     model = str(Path(args.model).resolve())
     engine = Engine("plain", model, Path(args.out_dir) / "logs", connector=None, role=None,
-                    cpu_bind=args.core, taskset=True, kv_bytes=1 << 30, max_model_len=4096)
+                    cpu_bind=args.core, taskset=True, kv_bytes=1 << 30, max_model_len=4096,
+                    env={QUIET_SPIN_ENV: "1"} if args.quiet else {})
     n = args.prompt_tokens
 
     def body(i: int) -> dict[str, object]:
@@ -82,8 +95,9 @@ def main() -> None:
     finally:
         engine.stop()
     base = rows[0][1]
+    readers = "asleep (--quiet)" if args.quiet else "spinning 1 s (vLLM's)"
     print(f"\n{Path(args.model).name}, {n}-token prefill, one request at a time after a "
-          f"pause, {args.rounds} rounds, p50:\n")
+          f"pause, {args.rounds} rounds, queue readers {readers}, p50:\n")
     print("| pause before it, s | engine's time (request_prefill_time) ms | over no pause "
           "| request ms |")
     print("|---:|---:|---:|---:|")

@@ -4,7 +4,7 @@
 #
 #   tests/run.sh [OPTIONS]     every tier: each lane of the e2e tier (real
 #                              engines, tests/e2e/lanes.py) in a pytest-xdist
-#                              worker, every engine-free tier in a third
+#                              worker, the engine-free tiers in two more
 #                              beside them (tests/conftest.py); pytest
 #                              OPTIONS (e.g. --durations=20) apply to the run
 #   tests/run.sh --fast [ARGS] every tier but real engines (pure, component,
@@ -35,6 +35,6 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -n 4 -m "not engine" "${FAST_TIERS[@]}" "$@"
 elif ! names_a_test "$@"; then
-  set -- -n 3 --dist loadgroup "$@" tests
+  set -- -n 4 --dist loadgroup "$@" tests
 fi
 exec python -m pytest -q -p no:cacheprovider -rs "$@"

@@ -48,11 +48,13 @@ class PDConfig:
     #: Push, D: the longest one engine step with nothing to do sleeps while D
     #: waits for pushed KV (a notification ends it at once); 0 disables.
     push_idle_wait_ms: float = 10.0
-    #: Push, D (needs ``push_idle_wait_ms`` > 0): the scheduler sees a push
+    #: D (needs ``push_idle_wait_ms`` > 0). Push: the scheduler sees a push
     #: land from the notifications its workers forward and schedules the
-    #: request in that very step, before the workers' report (a patch of
-    #: ``Scheduler.schedule``; issue 29). Off by default: on our CPU hosts
-    #: it did not shorten the gap between token #1 and token #2 (docs/slo.md).
+    #: request in that very step, before the workers' report. Concurrent
+    #: pull: an idle D sleeps before ``schedule()``, so P's answer is
+    #: allocated and its READ starts in the step it wakes. A patch of
+    #: ``Scheduler.schedule`` (issue 29). Off by default: on our CPU hosts
+    #: neither shortened the gap between token #1 and token #2 (docs/slo.md).
     same_step_landing: bool = False
     #: Pull, D: the longest one engine step that computes nothing waits for
     #: the loads in flight, so one that ends is reported in that step; 0 disables.

@@ -4,7 +4,10 @@
 ``IdleWait`` / ``Waker`` are tested with their real ZMQ sockets (in-process
 and TCP on 127.0.0.1) and real threads, against the wall clock. The machine
 may be loaded, so the bounds are generous: a wait that nobody ends lasts at
-least ``0.8 * TIMEOUT_S``; an "early" return takes under ``EARLY_S``.
+least ``0.8 * TIMEOUT_S``; a wait that a wake should end runs with a long
+timeout (``WOKEN_TIMEOUT_S``) and returns under ``EARLY_S``, so a host that
+stalls the waking thread for a second cannot make it time out, and a wake
+that never ends the wait still fails it.
 """
 
 from __future__ import annotations
@@ -17,14 +20,27 @@ import pytest
 from vllm_pd_ext.wire.wakeup import IdleWait, Waker, should_wait
 
 TIMEOUT_S = 0.2
-#: A woken wait returns well before its timeout.
-EARLY_S = 0.15
+#: The timeout of a wait that a wake should end (``woken_wait``): a wake that
+#: does not end it is seen as a 5 s wait that returns False.
+WOKEN_TIMEOUT_S = 5.0
+#: A woken wait returns well before its timeout (2 s: a stalled CI host once
+#: took 85 ms for what nominally takes 0.1 s, and stalls of seconds happen).
+EARLY_S = 2.0
 
 
 def timed_wait(idle: IdleWait) -> tuple[bool, float]:
     t0 = time.monotonic()
     woken = idle.wait()
     return woken, time.monotonic() - t0
+
+
+def woken_wait(idle: IdleWait) -> tuple[bool, float]:
+    """``timed_wait`` for a wait that a wake should end, with the long timeout."""
+    idle.timeout_s = WOKEN_TIMEOUT_S
+    try:
+        return timed_wait(idle)
+    finally:
+        idle.timeout_s = TIMEOUT_S
 
 
 @pytest.fixture
@@ -72,7 +88,7 @@ def test_wake_from_another_thread_ends_the_wait_early(idle):
     thread = threading.Thread(target=waker)
     thread.start()
     try:
-        woken, took = timed_wait(idle)
+        woken, took = woken_wait(idle)
     finally:
         thread.join(5)
     assert woken is True
@@ -83,7 +99,7 @@ def test_wake_from_another_thread_ends_the_wait_early(idle):
 def test_wake_while_not_waiting_ends_only_the_next_wait(idle):
     for _ in range(5):  # several threads' wakes while D was stepping
         idle.wake()
-    woken, took = timed_wait(idle)
+    woken, took = woken_wait(idle)
     assert woken is True and took < EARLY_S
     # The queued wakes were drained: the following wait blocks again.
     woken, took = timed_wait(idle)
@@ -109,19 +125,21 @@ def test_worker_waker_wakes_across_sockets(idle):
     try:
         assert waker.endpoint.startswith("tcp://127.0.0.1:")
         idle.connect([waker.endpoint])
-        # The TCP connection takes a moment; until then a wake finds no peer.
+        # The TCP connection takes a moment; until then a wake finds no peer
+        # (and is dropped: not counted). The one that went is waited for with
+        # the long timeout, so no late one is left to end a later wait.
         deadline = time.monotonic() + 5.0
-        woken = False
-        while not woken and time.monotonic() < deadline:
+        while not waker.num_wakes and time.monotonic() < deadline:
             waker.wake()
-            woken = idle.wait()
+            time.sleep(0.01)
+        woken, _ = woken_wait(idle)
         assert woken, "the worker's wake never reached the scheduler's wait"
         assert waker.num_wakes >= 1
         # Connected now: one wake while the scheduler waits ends it early.
         thread = threading.Thread(target=lambda: (time.sleep(0.02), waker.wake()))
         thread.start()
         try:
-            woken, took = timed_wait(idle)
+            woken, took = woken_wait(idle)
         finally:
             thread.join(5)
         assert woken is True and took < EARLY_S
@@ -138,7 +156,7 @@ def test_waker_without_a_scheduler_does_not_block():
         t0 = time.monotonic()
         for _ in range(10):
             waker.wake()  # no peer: dropped, never blocks the progress pump
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0  # generous for stalled hosts; a blocking send hangs
         assert waker.num_wakes == 0
     finally:
         waker.close()
@@ -174,7 +192,9 @@ def connected(idle: IdleWait, waker: Waker) -> None:
         waker.wake()
         time.sleep(0.01)
     assert waker.num_wakes, "the worker's wake never reached the scheduler"
-    idle.wait()
+    # Long timeout: a connecting wake that came after a short wait would end the
+    # test's next wait before the wake it means.
+    woken_wait(idle)
     idle.take_forwarded()
 
 
@@ -183,7 +203,7 @@ def test_a_wake_forwards_its_rank_and_notifications_to_the_scheduler(idle):
     try:
         connected(idle, waker)
         waker.wake([b"pdx:tok+5/pd-1", b"pdx:tok/pd-2"])
-        assert idle.wait() is True
+        assert woken_wait(idle)[0] is True  # over TCP: 0.2 s is too short on a loaded host
         assert idle.take_forwarded() == [(3, [b"pdx:tok+5/pd-1", b"pdx:tok/pd-2"])]
         assert idle.take_forwarded() == []
         # Taken without a wait too (a busy D drains before each schedule()).
@@ -210,7 +230,7 @@ def test_what_a_wake_forwards_is_bounded(idle):
         big = b"pdx:" + b"x" * wakeup.MAX_FORWARDED_BYTES
         many = [f"pdx:t/pd-{i}".encode() for i in range(wakeup.MAX_FORWARDED + 10)]
         waker.wake([big, *many])
-        assert idle.wait() is True
+        assert woken_wait(idle)[0] is True
         ((rank, notifs),) = idle.take_forwarded()
         assert rank == 0 and big not in notifs
         assert notifs == many[:wakeup.MAX_FORWARDED - 1]
@@ -220,11 +240,18 @@ def test_what_a_wake_forwards_is_bounded(idle):
         assert idle.take_forwarded() == []
         for i in range(5):
             waker.wake([f"pdx:t/x-{i}".encode()])
-        time.sleep(0.2)
         old = wakeup.MAX_INBOX
         wakeup.MAX_INBOX = 2
         try:
+            # Drain until the last wake is in (not one drain after a fixed 0.2 s,
+            # which a loaded host's TCP delivery can outlast): the inbox still keeps
+            # only the newest 2, however many each drain found.
+            deadline = time.monotonic() + 5.0
             idle.drain()
+            while (not idle._inbox or idle._inbox[-1][1] != [b"pdx:t/x-4"]) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+                idle.drain()
         finally:
             wakeup.MAX_INBOX = old
         assert [n for _, ns in idle.take_forwarded() for n in ns] == [b"pdx:t/x-3", b"pdx:t/x-4"]
@@ -240,7 +267,7 @@ def test_forwards_are_not_kept_for_a_scheduler_that_does_not_read_them(idle):
         connected(idle, waker)
         idle.keep_forwarded = False
         waker.wake([b"pdx:tok/pd-1"])
-        assert idle.wait() is True
+        assert woken_wait(idle)[0] is True
         assert idle.take_forwarded() == [] and idle._inbox == []
     finally:
         waker.close()

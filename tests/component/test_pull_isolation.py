@@ -158,6 +158,9 @@ def assert_read_from(p: FakeP, d_kv, local, remote) -> None:
             assert torch.equal(t[lo], p.kv[name][re]), f"{name}: block {lo} is not P's {re}"
 
 
+# Side-channel timeout 2 s (not 1): a P2 load that waited behind P1's pin takes
+# 2 s, so P2's loads can be given 1 s on a loaded host and still tell.
+@pytest.mark.parametrize("world", [2.0], indirect=True)
 def test_frozen_p_delays_only_its_own_loads(world) -> None:
     """Item 8: 8 loads wait on a frozen P1 (handshake cached); loads from P2
     go on at their usual speed, and P1's 8 fail together long before their
@@ -186,9 +189,10 @@ def test_frozen_p_delays_only_its_own_loads(world) -> None:
     stuck_ids = {s.request_id for s in stuck}
     drv.run_until(stuck_ids, 8)
     assert drv.failed == stuck_ids, "P2's loads must not fail; every P1 load must"
-    # Side-channel timeout 1 s: the first pin times out, the 7 behind it fail with it.
-    assert max(drv.took(r) for r in stuck_ids) < 3.0
-    assert max(healthy) < 0.5, f"P2 handoffs during P1's freeze took {healthy}"
+    # Side-channel timeout 2 s: the first pin times out, the 7 behind it fail with it
+    # (one timeout each would run into the 6 s transfer deadline).
+    assert max(drv.took(r) for r in stuck_ids) < 4.5
+    assert max(healthy) < 1.0, f"P2 handoffs during P1's freeze took {healthy}"
 
 
 def test_failed_pin_does_not_fail_other_loads_to_the_same_p(world) -> None:
@@ -322,24 +326,26 @@ def test_peers_that_come_and_go_leave_nothing_behind(world, monkeypatch) -> None
 
 def test_renewals_to_a_live_p_never_wait_behind_a_dead_ps_releases() -> None:
     """Item 8: D's heartbeat thread used to send every queued release (one
-    timeout each) before any renew. With 30 releases queued to a frozen P1,
-    P2's 1.2 s lease must still be renewed in time."""
+    timeout each) before any renew. With 40 releases queued to a frozen P1
+    (4 s of timeouts), P2's 2 s lease must still be renewed in time."""
     fabric = FakeFabric()
-    p1, p2 = FakeP(fabric, "eng-p1"), FakeP(fabric, "eng-p2", lease_s=1.2)
+    # A 2 s lease (not 1.2 s): a loaded host may stall the renewals for a second.
+    p1, p2 = FakeP(fabric, "eng-p1"), FakeP(fabric, "eng-p2", lease_s=2.0)
     sender = HeartbeatSender("eng-d", interval_s=0.2, timeout_s=1.0)
     try:
         p1.freeze()
         p2.grant("live")
-        for i in range(30):
+        for i in range(40):
             sender.release((HOST, p1.port), f"gone{i}", 1, "not needed")
         sender.track("d-live", (HOST, p2.port), "live")
-        t_end = time.monotonic() + 3.0
+        t_end = time.monotonic() + 3.5
         while time.monotonic() < t_end:
             result = p2.leases.sweep()
             assert result.expired == [], "P2's lease expired behind P1's releases"
             time.sleep(0.05)
         lease = p2.leases.table.get("live")
-        assert lease is not None and lease.num_renewals >= 5
+        # A few: a loaded host fails some of the 0.1 s renewal requests.
+        assert lease is not None and lease.num_renewals >= 3
     finally:
         p1.thaw()
         sender.close()

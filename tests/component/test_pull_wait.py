@@ -36,10 +36,23 @@ class FakeOutbox:
         pass
 
 
+class FakeLeases:
+    """``LeaseService.extend``: 30 s left on a lease the lender holds."""
+
+    def __init__(self, lender: FakeLender) -> None:
+        self.lender = lender
+        self.extended: list[tuple[str, str, str]] = []
+
+    def extend(self, key: str, engine_id: str, consumer: str) -> float:
+        self.extended.append((key, engine_id, consumer))
+        return 30.0 if key in self.lender.lent else proto.LEASE_UNKNOWN
+
+
 class FakeLender:
     def __init__(self) -> None:
         self.lent: dict[str, list[int]] = {}
         self.evicted: list[str] = []
+        self.leases = FakeLeases(self)
 
     def lend(self, key: str, block_ids: list[int], *, num_consumers: int) -> float:
         self.lent[key] = block_ids
@@ -132,6 +145,40 @@ def test_p_answer_is_taken_once_and_a_late_copy_is_acknowledged(waits) -> None:
     assert isinstance(reply, proto.ErrorReply) and reply.code == ErrorCode.UNKNOWN
 
 
+def test_d_bounds_p_lease_extension_by_the_send_time_of_the_wait_p_names(waits) -> None:
+    """Protocol 10: P extends its lease as it answers, after it had D's wait
+    number ``wait_seq``; that wait left D at a time D read before sending,
+    so ``sent + lease_s`` is a lower bound of P's expiry on D's clock."""
+    w, box, clock = waits
+    t0 = clock.now
+    w.park("d-1", leg())
+    _, _, first, reply = box.sent[-1]
+    reply(proto.PullWaiting(engine_id="eng-p", state=proto.PullWaitState.WAITING))
+    clock.advance(2.5)
+    w.poll()  # renewed: wait number 2
+    _, _, second, _ = box.sent[-1]
+    assert (first.seq, second.seq) == (1, 2)
+    clock.advance(1.0)
+
+    def answer(**kw: Any) -> proto.PullReady:
+        return proto.PullReady(engine_id="eng-p", pd_request_id="pd-1", ok=True,
+                               params=leg(), first_token=7, **kw)
+
+    w.handle(answer(lease_s=30.0, wait_seq=2))
+    got = w.take("d-1")
+    assert got is not None and got.valid_until == pytest.approx(t0 + 2.5 + 30.0)
+    # Parked again now, at t0 + 3.5 (its wait number 1): naming it bounds
+    # from then; a number D never sent, or no extension, gives no bound
+    # (the worker then pins).
+    for kw, bound in (({"lease_s": 30.0, "wait_seq": 1}, t0 + 3.5 + 30.0),
+                      ({"lease_s": 30.0, "wait_seq": 99}, 0.0), ({}, 0.0)):
+        w.forget("d-1")
+        w.park("d-1", leg())
+        w.handle(answer(**kw))
+        got = w.take("d-1")
+        assert got is not None and got.valid_until == pytest.approx(bound), kw
+
+
 def test_answers_from_another_engine_are_refused_and_counted(waits) -> None:
     w, _, _ = waits
     w.park("d-1", leg())
@@ -171,10 +218,11 @@ def producer() -> tuple[PullProducer, FakeOutbox, FakeLender, FakeClock]:
     return p, box, lender, clock
 
 
-def wait_msg(pd_id: str = "pd-1", engine: str = "eng-d", ttl: float = 8.0) -> proto.PullWait:
+def wait_msg(pd_id: str = "pd-1", engine: str = "eng-d", ttl: float = 8.0, seq: int = 0
+             ) -> proto.PullWait:
     return proto.PullWait(engine_id=engine, expect_engine_id="eng-p", pd_request_id=pd_id,
                           request_id="d-1", notify_host=D_ADDR[0], notify_port=D_ADDR[1],
-                          ttl_s=ttl)
+                          ttl_s=ttl, seq=seq)
 
 
 def finish(p: PullProducer, pd_id: str = "pd-1") -> KVTransferParams:
@@ -207,6 +255,43 @@ def test_whichever_comes_second_sends_the_answer(producer, order: str) -> None:
                                                                 pd_request_id="pd-1")):
         reply = p.handle(msg)
         assert isinstance(reply, proto.ErrorReply) and reply.code == ErrorCode.REFUSED
+
+
+@pytest.mark.parametrize("order", ["wait_first", "prefill_first"])
+def test_the_answer_extends_the_lease_for_the_waiting_d_after_its_latest_wait(
+        producer, order: str) -> None:
+    """Protocol 10: right before each send P extends the lease and holds it
+    for D's request, and says for how long and after which of D's waits."""
+    p, box, lender, _ = producer
+    if order == "wait_first":
+        p.handle(wait_msg(seq=1))
+        p.handle(wait_msg(seq=3))  # a renewal: the latest wait P had
+        finish(p)
+    else:
+        finish(p)
+        p.handle(wait_msg(seq=3))
+    ((_, _, msg, _),) = box.sent
+    assert (msg.lease_s, msg.wait_seq) == (30.0, 3)
+    assert lender.leases.extended == [("pd-1", "eng-d", "d-1")]
+    # A renewal that crossed the answer: sent again, extended again, naming it.
+    p.handle(wait_msg(seq=4))
+    assert (box.sent[-1][2].lease_s, box.sent[-1][2].wait_seq) == (30.0, 4)
+    assert len(lender.leases.extended) == 2
+
+
+def test_no_extension_without_a_wait_number_or_a_lease(producer) -> None:
+    """A D that numbers no wait, a lease already gone, a failed prefill:
+    the answer names no extension (D pins, and its pin says what is left)."""
+    p, box, lender, _ = producer
+    p.handle(wait_msg(seq=0))
+    finish(p)
+    p.handle(wait_msg("pd-2", seq=2))
+    p.announce("pd-2", "p-2", KVTransferParams(), 9, 1e9)  # lent nothing: no lease
+    p.handle(wait_msg("pd-3", seq=2))
+    p.prefill_failed("pd-3", "p-3", "FINISHED_ABORTED")
+    assert [(m.pd_request_id, m.lease_s, m.wait_seq) for _, _, m, _ in box.sent] == [
+        ("pd-1", 0.0, 0), ("pd-2", 0.0, 0), ("pd-3", 0.0, 0)]
+    assert lender.leases.extended == [("pd-2", "eng-d", "d-1")]
 
 
 def test_a_sequential_pull_leg_announces_nothing(producer) -> None:

@@ -41,11 +41,17 @@ def _is_e2e(item: pytest.Item) -> bool:
     return E2E_DIR in Path(item.path).parents
 
 
+#: The file names of this run's e2e modules (``lanes.early_engines``).
+_COLLECTED_MODULES: set[str] = set()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every other tier first, in collection order; then the e2e modules
     lane by lane (``lanes.order_key``), each module's tests in file order
     (a stable sort)."""
+
+    _COLLECTED_MODULES.update(Path(item.path).name for item in items if _is_e2e(item))
 
     def key(item: pytest.Item) -> tuple[int, int, int]:
         if not _is_e2e(item):
@@ -129,10 +135,12 @@ def session_engines_of_this_process() -> SessionEngines:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before an e2e test's fixtures: start its lane's session engines, so
-    that they start beside the module's own set rather than after it."""
+    """Before an e2e test's fixtures: start its lane's session engines (and
+    the extras its collected modules need), so that they start beside the
+    module's own set rather than after it."""
     if _is_e2e(item):
-        session_engines_of_this_process().start(*lanes.SESSION_ENGINES[lanes.lane_of(item.path)])
+        session_engines_of_this_process().start(
+            *lanes.early_engines(lanes.lane_of(item.path), _COLLECTED_MODULES))
 
 
 def pytest_sessionfinish() -> None:

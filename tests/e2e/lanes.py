@@ -2,7 +2,7 @@
 
 A lane is a list of e2e modules that run one after another in one process,
 on that process's session engines (tests/e2e/conftest.py). ``tests/run.sh``
-gives each lane a pytest-xdist worker of its own, beside the worker of the
+gives each lane a pytest-xdist worker of its own, beside the two workers of the
 engine-free tiers (tests/conftest.py), so that one lane's tests use the
 cores while another lane waits on an engine start, a lease or a timeout:
 engine starts and waits are most of the e2e tier's time, and on 2 cores
@@ -58,6 +58,23 @@ SESSION_ENGINES: dict[str, tuple[str, ...]] = {
     SESSION: ("ref", "p", "d"),
     OWN_SETS: ("ref",),
 }
+
+#: Session engines that only some of a lane's modules use, started with the
+#: lane's ``SESSION_ENGINES`` when any of those modules is in the run: ``p2``
+#: then starts at the lane's beginning, beside ``p`` and ``d``, instead of on
+#: the critical path at the lane's end (about 100 s of a full run's wall time
+#: under CI's load), and a run of other modules does not start it at all.
+SESSION_EXTRAS: dict[str, dict[str, tuple[str, ...]]] = {
+    SESSION: {"p2": ("test_isolation.py", "test_drain.py")},
+}
+
+
+def early_engines(lane: str, modules: set[str]) -> tuple[str, ...]:
+    """What to start when ``lane``'s first test runs, given the file names
+    of the run's e2e modules: its session engines and the extras they need."""
+    extras = tuple(name for name, users in SESSION_EXTRAS.get(lane, {}).items()
+                   if any(m in modules for m in users))
+    return SESSION_ENGINES[lane] + extras
 
 
 def lane_of(path: str | Path) -> str:

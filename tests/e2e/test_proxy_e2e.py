@@ -205,6 +205,8 @@ def test_concurrent_pull_loads_p_kv_beside_p_and_continues_after_token_one(
         assert record["mode"] == "pull" and record["outcome"] == "ok", record
         assert record["p_wait_ms"] > 0 and record["read_ms"] > 0, record
         assert record["kv_ready_ms"] > record["p_wait_ms"], record
+        # No pin round trip: P's answer extended the lease (protocol 10).
+        assert record["pin_in_answer"] is True and "pin_ms" not in record, record
     assert "cannot continue after P's token #1" not in d.log_text()
 
 

@@ -180,9 +180,10 @@ async def test_push_slot_frees_when_prefill_answers_not_when_decode_ends(engines
     d = await engines("decode", override=long_decode)
     client = await proxy([p], [d], transfer_mode="push", max_inflight_per_prefill=1)
     first = _post(client, "first", stream=True)
-    await asyncio.wait_for(streaming.wait(), 2)
+    await asyncio.wait_for(streaming.wait(), 4)
     await wait_for(lambda: p.in_flight == 0)  # P answered; D still streams
-    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "second"}), 2)
+    # 4 s for a loaded host; held behind the first, it would wait for its 5 s stream.
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "second"}), 4)
     assert resp.status == 200  # admitted although the first request is still running
     done.set()
     assert (await first).status == 200
@@ -197,7 +198,8 @@ async def test_local_prefill_requests_do_not_take_a_slot(engines, proxy):
     first = _post(client, long_prompt)
     await wait_for(lambda: p.in_flight == 1)
     # P is full, yet a short prompt (prefilled by D) is answered at once.
-    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "hi"}), 2)
+    # 4 s for a loaded host; queued behind P's slot it would never be answered.
+    resp = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "hi"}), 4)
     assert resp.status == 200
     assert client.server.app[GATE].depth == 0 and len(p.legs()) == 1
     h.release.set()
@@ -280,7 +282,7 @@ async def test_full_queue_is_503_at_once(engines, proxy, max_queued):
     loop = asyncio.get_running_loop()
     started = loop.time()
     resp = await client.post("/v1/completions", json={"prompt": "one too many"})
-    assert loop.time() - started < 1  # not after --queue-timeout 30
+    assert loop.time() - started < 10  # not after --queue-timeout 30 (wide for stalled hosts)
     assert resp.status == 503
     assert int(resp.headers["Retry-After"]) >= 1
     err = (await resp.json())["error"]
@@ -338,7 +340,7 @@ async def test_queued_requests_fail_fast_when_no_prefill_is_left(engines, proxy)
     await wait_for(lambda: gate.depth == 1)
     p.health_status = 503
     assert (await client.get("/health")).status == 503  # a round marks P unhealthy
-    resp = await asyncio.wait_for(queued, 2)
+    resp = await asyncio.wait_for(queued, 10)  # not the 30 s queue timeout; wide for loaded hosts
     assert resp.status == 503
     assert "no healthy prefill backend" in (await resp.json())["error"]["message"]
     h.release.set()
@@ -419,7 +421,7 @@ async def test_gate_passes_on_a_slot_granted_to_a_waiter_that_left():
     await wait_for(lambda: gate.depth == 2)
     first.release()  # the leaver is granted the slot ...
     leaver.cancel()  # ... and leaves before it could run
-    slot = await asyncio.wait_for(stayer, 1)
+    slot = await asyncio.wait_for(stayer, 4)  # under the gate's 5 s timeout; wide for stalls
     assert slot is not None and slot.backend is backend
     with pytest.raises(asyncio.CancelledError):
         await leaver
@@ -438,11 +440,11 @@ async def test_gate_waiter_excluding_the_free_engine_does_not_block_the_next():
     fresh = asyncio.ensure_future(gate.acquire(0))
     await wait_for(lambda: gate.depth == 2)
     on_a.release()
-    got = await asyncio.wait_for(fresh, 1)
+    got = await asyncio.wait_for(fresh, 4)  # under the gate's 5 s timeout; wide for stalls
     assert got is not None and got.backend is a
     assert not retry.done()
     on_b.release()
-    got_retry = await asyncio.wait_for(retry, 1)
+    got_retry = await asyncio.wait_for(retry, 4)
     assert got_retry is not None and got_retry.backend is b
     got.release()
     got_retry.release()
@@ -457,7 +459,8 @@ async def test_gate_waits_within_the_remaining_queue_budget():
     started = loop.time()
     with pytest.raises(ProxyError) as exc:
         await gate.acquire(0, queued_s=9.8)
-    assert 0.15 <= loop.time() - started < 1  # 0.2 s left of the 10 s budget
+    # 0.2 s left of the 10 s budget (a wait of the whole budget: 10 s); wide for stalls
+    assert 0.15 <= loop.time() - started < 5
     assert exc.value.status == 503 and exc.value.outcome == "queue_timeout"
     m = re.search(r"waited (\d+\.\d) s in the queue \(--queue-timeout 10\)", exc.value.message)
     assert m and float(m[1]) >= 9.9  # earlier waits included

@@ -122,14 +122,19 @@ async def test_ttft_itl_usage_telemetry_and_request_shape(engine):
                                         progress=False, extra_body={"top_k": 1})
     (r,) = results
     assert r.ok and r.error == "", r.error
-    assert 0.3 <= r.ttft_s < 0.55
-    assert len(r.itl_s) == 3 and all(0.09 <= g < 0.3 for g in r.itl_s), r.itl_s
-    assert r.ttft_s + sum(r.itl_s) <= r.e2e_s < r.ttft_s + sum(r.itl_s) + 0.2
-    assert 0.6 <= duration < 1.0
+    assert 0.3 <= r.ttft_s < 1.5  # upper bounds are generous: CI hosts stall
+    # Each chunk arrives no earlier than the server wrote it (0.3 s + 0.1 s per chunk), and a
+    # late chunk k makes gap k+1 short, so bound the arrival times, not each gap (a loaded CI
+    # host once saw gaps of 85, 102 and 111 ms).
+    assert len(r.itl_s) == 3 and all(0 <= g < 0.3 for g in r.itl_s), r.itl_s
+    arrivals = [r.ttft_s + sum(r.itl_s[:k]) for k in range(1, 4)]
+    assert all(a >= 0.3 + 0.1 * k - 0.01 for k, a in enumerate(arrivals, 1)), arrivals
+    assert r.ttft_s + sum(r.itl_s) <= r.e2e_s < r.ttft_s + sum(r.itl_s) + 0.5
+    assert 0.6 <= duration < 2.5
     assert r.output_tokens == 7  # from usage, not the 4 content chunks
     assert r.prompt_tokens == 6
     assert r.telemetry == tele
-    assert 0 <= r.sent_s - r.scheduled_s < 0.2
+    assert 0 <= r.sent_s - r.scheduled_s < 1.0  # sent on time; wide for stalled hosts
     (body,) = eng.bodies
     assert body == {"model": "m", "prompt": [10, 11, 12, 13, 14, 15], "max_tokens": 4,
                     "min_tokens": 4, "ignore_eos": True, "temperature": 0, "stream": True,
@@ -159,7 +164,7 @@ async def test_timeout_is_a_result_not_an_exception(engine):
     start = time.monotonic()
     results, _ = await run_point([eng.url], "m", [req(0), req(1, 0.05)], timeout_s=0.3,
                                  progress=False)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # not the server's 5 s; wide for stalled hosts
     assert [(r.ok, r.error) for r in results] == [(False, "timeout")] * 2
 
 
@@ -198,7 +203,7 @@ async def test_connection_refused():
     (r,), _ = await run_point([f"http://127.0.0.1:{port}"], "m", [req(0)], timeout_s=5,
                               progress=False)
     assert not r.ok and r.error.startswith("connection: ")
-    assert 0 <= r.sent_s < 1.0  # headers never left: the task start
+    assert 0 <= r.sent_s < 3.0  # headers never left: the task start (not the 5 s timeout)
 
 
 async def test_least_in_flight_over_two_urls(engine):
@@ -218,21 +223,22 @@ async def test_open_loop_a_slow_server_does_not_delay_later_sends(engine):
     trace = [req(i, 0.05 * i) for i in range(10)]
     results, duration = await run_point([eng.url], "m", trace, timeout_s=10, progress=False)
     assert all(r.ok for r in results)
-    # A closed loop would send each request a whole hold (1 s) late; 0.5 s
-    # still tells the two apart on a loaded machine (0.16 s seen under CI
-    # with other work running).
-    assert max(r.sent_s - r.scheduled_s for r in results) < 0.5
-    assert max(eng.arrivals) - min(eng.arrivals) < 0.8  # closed loop: over 9 s
-    assert 1.0 + 0.45 <= duration < 2.5
+    # A closed loop would send request k k holds (k s) late, the last 9 s late;
+    # 2 s still tells the two apart on a host that stalls for a second or more
+    # (0.16 s seen under CI with other work running).
+    assert max(r.sent_s - r.scheduled_s for r in results) < 2.0
+    assert max(eng.arrivals) - min(eng.arrivals) < 2.5  # closed loop: over 9 s
+    assert 1.0 + 0.45 <= duration < 4.0  # closed loop: over 10 s
     assert all(r.ttft_s >= 1.0 for r in results)
 
 
 async def test_duration_excludes_warmup(engine):
     eng = await engine(streamer(hold=0.1))
-    trace = [req(0, 0.0, warmup=True), req(1, 0.4)]
+    trace = [req(0, 0.0, warmup=True), req(1, 1.5)]
     results, duration = await run_point([eng.url], "m", trace, timeout_s=10, progress=False)
     assert [r.warmup for r in results] == [True, False]
-    assert 0.1 <= duration < 0.35  # from 0.4 s to its end, not from 0
+    # from 1.5 s to its end (about 0.1 s), not from 0 (at least 1.6 s); wide for stalled hosts
+    assert 0.1 <= duration < 1.2
 
 
 # --- pure parts --------------------------------------------------------------------

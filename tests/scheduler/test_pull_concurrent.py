@@ -28,9 +28,11 @@ from test_push_schedulers import HOST, assert_scheduler_empty, pd, same_prompt, 
 from test_push_seed import report_until_finished
 from vllm.v1.request import RequestStatus
 
+from vllm_pd_ext.leases.table import LeaseState
 from vllm_pd_ext.metadata import PDHandshakeMetadata
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.side_channel import SideChannelClient, SideChannelError
+from vllm_pd_ext.wire.specs import monotonic_clock_id
 
 #: The token pdsched's fake forward samples on P: P's token #1.
 P_TOKEN = 100
@@ -40,8 +42,10 @@ class PullPair:
     """A pull P and a pull D scheduler with real side channels."""
 
     def __init__(self, mode: str = "sync", push_timeout: float = 30.0,
-                 idle_wait_ms: float = 10.0) -> None:
-        common = {"transfer_mode": "pull", "handshake_timeout": 0.5}
+                 idle_wait_ms: float = 10.0, d_extra: dict[str, object] | None = None,
+                 d_blocks: int = 64) -> None:
+        # 3 s: side-channel requests here must succeed, on a loaded host too.
+        common = {"transfer_mode": "pull", "handshake_timeout": 3.0}
         self.p_port, self.d_port = free_port(), free_port()
         self.p = create_scheduler(create_vllm_config(
             "kv_producer", engine_id="eng-p", extra=dict(
@@ -49,8 +53,9 @@ class PullPair:
         self.d = create_scheduler(create_vllm_config(
             "kv_consumer", engine_id="eng-d", extra=dict(
                 common, side_channel_port=self.d_port, heartbeat_interval=0.2,
-                push_timeout=push_timeout, push_idle_wait_ms=idle_wait_ms),
-            kv_load_failure_policy="recompute"), mode=mode)
+                push_timeout=push_timeout, push_idle_wait_ms=idle_wait_ms,
+                **(d_extra or {})),
+            kv_load_failure_policy="recompute"), num_blocks=d_blocks, mode=mode)
         meta = proto.AgentInfo(tp_rank=0, agent_name="a", agent_metadata=b"m",
                                mem_type="DRAM", regions=[proto.Region(0x1000, 64, 64, 64)])
         for sched in (self.p, self.d):
@@ -101,8 +106,14 @@ def park_on_d(pair: PullPair, pd_id: str, n: int, max_tokens: int = 3):
     return req, out, free
 
 
-def step_until_recv(pair: PullPair, req, tries: int = 200):
-    """Step D until its scheduler hands the worker the READ of ``req``."""
+def step_until_recv(pair: PullPair, req, tries: int = 200, out=None):
+    """Step D until its scheduler hands the worker the READ of ``req``
+    (``out``: a step already taken, which may have handed it: P's answer
+    can reach D within the step that parked the request)."""
+    if out is not None:
+        for spec in out.kv_connector_metadata.reqs_to_recv:
+            if spec.request_id == req.request_id:
+                return spec
     for _ in range(tries):
         out, _ = step(pair.d)
         for spec in out.kv_connector_metadata.reqs_to_recv:
@@ -113,11 +124,14 @@ def step_until_recv(pair: PullPair, req, tries: int = 200):
 
 
 def play_worker(pair: PullPair, spec) -> None:
-    """D's worker: pin P's lease (the READ itself is not played), release it."""
-    status = pair.client.request(HOST, pair.p_port, proto.LeaseRenew(
-        engine_id="eng-d", request_ids=[spec.remote_request_id], acquire=True, tp_rank=0,
-        consumer=spec.request_id, consumer_ranks=1))
-    assert isinstance(status, proto.LeaseStatus) and status.remaining_s[0] > 0, status
+    """D's worker (the READ itself is not played): no pin where P's answer
+    extended the lease (``spec.valid_until``, protocol 10), else pin; then
+    release."""
+    if not spec.valid_until:
+        status = pair.client.request(HOST, pair.p_port, proto.LeaseRenew(
+            engine_id="eng-d", request_ids=[spec.remote_request_id], acquire=True, tp_rank=0,
+            consumer=spec.request_id, consumer_ranks=1))
+        assert isinstance(status, proto.LeaseStatus) and status.remaining_s[0] > 0, status
     pair.client.request(HOST, pair.p_port, proto.LeaseRelease(
         engine_id="eng-d", request_ids=[spec.remote_request_id], tp_rank=0, ok=True,
         consumer=spec.request_id))
@@ -144,11 +158,20 @@ def test_parked_until_p_answers_then_reads_p_blocks_and_computes_only_token_one(
         assert pair.d.kv_cache_manager.block_pool.get_num_free_blocks() == free
         assert wait_for(lambda: "pd-1" in pd(pair.p).pull_producer._waits)
         p_req = prefill_on_p(pair, "pd-1", n)
-    spec = step_until_recv(pair, d_req)
+    spec = step_until_recv(pair, d_req, out=out if order == "p_first" else None)
     # P's lease, under the proxy's id both legs carried; P's blocks exactly.
     assert spec.remote_request_id == "pd-1" and spec.remote_engine_id == "eng-p"
     assert len(spec.remote_block_ids) == 3 and spec.num_tokens == n
     assert d_req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    # No pin round trip: P extended its lease (5 s here) as it answered,
+    # after D's wait was in; D's bound starts at that wait's send time.
+    parked_at = pd(pair.d).d._reqs[d_req.request_id].arrived
+    assert parked_at < spec.valid_until <= time.monotonic() + 5.0
+    assert spec.clock == monotonic_clock_id() != ""  # the clock it is on
+    lease = pd(pair.p).lender.leases.table.get("pd-1")
+    assert lease is not None and lease.state is LeaseState.HELD
+    assert [(c.engine_id, c.request_id, r) for c, r in lease.holders] == [
+        ("eng-d", d_req.request_id, -1)]
     play_worker(pair, spec)
     outputs, scheduled = report_until_finished(pair, d_req, finished_recving={d_req.request_id})
     # P's token #1 is the prompt's last token; D's first step computed only it.
@@ -320,6 +343,124 @@ def test_an_idle_d_sleeps_while_parked_and_p_answer_wakes_it() -> None:
         play_worker(pair, spec)
         report_until_finished(pair, d_req, finished_recving={d_req.request_id})
         assert d_req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+        both_empty(pair)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("mode", SCHEDULING_MODES)
+def test_with_same_step_landing_the_step_p_answer_wakes_starts_the_read(mode: str) -> None:
+    """``same_step_landing``: an idle D sleeps before ``schedule()``, so the
+    ``schedule()`` P's answer wakes allocates the request and that very
+    step carries its READ to the workers. (Without the key, the step slept
+    in was already planned empty: the READ leaves a step later, above.)"""
+    import threading
+
+    pair = PullPair(mode, idle_wait_ms=5000.0, d_extra={"same_step_landing": True})
+    try:
+        sched = pd(pair.d)
+        assert sched._pull_wait_first and sched.landing is None
+        d_req, _, free = park_on_d(pair, "pd-first", 2 * BLOCK_SIZE + 3)
+        assert wait_for(lambda: "pd-first" in pd(pair.p).pull_producer._waits)
+        idle = sched.idle
+        assert idle is not None
+        waits, woken = idle.num_waits, idle.num_woken
+        timer = threading.Timer(0.2, lambda: prefill_on_p(pair, "pd-first", 2 * BLOCK_SIZE + 3))
+        timer.start()
+        t0 = time.monotonic()
+        out, _ = step(pair.d)  # sleeps before schedule() until P's answer arrives
+        took = time.monotonic() - t0
+        timer.join()
+        assert idle.num_woken == woken + 1 and idle.num_waits == waits + 1 and took < 4.5, took
+        (spec,) = out.kv_connector_metadata.reqs_to_recv
+        assert spec.request_id == d_req.request_id and spec.remote_request_id == "pd-first"
+        assert d_req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        # Its blocks (the prompt's three) were allocated in that schedule().
+        assert pair.d.kv_cache_manager.block_pool.get_num_free_blocks() == free - 3
+        play_worker(pair, spec)
+        report_until_finished(pair, d_req, finished_recving={d_req.request_id})
+        assert d_req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+        assert d_req.output_token_ids[0] == P_TOKEN
+        both_empty(pair)
+    finally:
+        pair.close()
+
+
+def test_with_same_step_landing_a_step_with_work_does_not_sleep() -> None:
+    """The wait before ``schedule()`` is for an idle D only: with a request
+    running beside the parked leg, D's steps never sleep."""
+    pair = PullPair(idle_wait_ms=5000.0, d_extra={"same_step_landing": True})
+    try:
+        local = create_request(BLOCK_SIZE, request_id="local", max_tokens=50)
+        pair.d.add_request(local)
+        step(pair.d)
+        d_req, _, _ = park_on_d(pair, "pd-busy", BLOCK_SIZE)
+        idle = pd(pair.d).idle
+        assert idle is not None
+        t0 = time.monotonic()
+        for _ in range(5):
+            step(pair.d)
+        # 4 s: five steps on a loaded host; one idle wait alone takes 5 s.
+        assert time.monotonic() - t0 < 4.0 and idle.num_waits == 0
+        assert local.status is RequestStatus.RUNNING and d_req.status is RequestStatus.WAITING
+        pair.d.finish_requests([local.request_id, d_req.request_id],
+                               RequestStatus.FINISHED_ABORTED)
+        both_empty(pair)
+    finally:
+        pair.close()
+
+
+def test_p_answer_holds_the_lease_for_the_waiting_d_alone(pair: PullPair) -> None:
+    """P's answer extends the lease and holds it for the waiting D request,
+    as D's pin would (protocol 10; D reads unpinned): another engine's
+    release or heartbeat is refused; D's own release (no pin) frees it."""
+    n = 2 * BLOCK_SIZE + 1
+    d_req, _, _ = park_on_d(pair, "pd-own", n)
+    assert wait_for(lambda: "pd-own" in pd(pair.p).pull_producer._waits)
+    prefill_on_p(pair, "pd-own", n)
+    spec = step_until_recv(pair, d_req)
+    assert spec.valid_until > time.monotonic() + 2.0
+    for msg in (proto.LeaseRelease(engine_id="eng-x", request_ids=["pd-own"], tp_rank=0,
+                                   consumer="x-1"),
+                proto.LeaseRenew(engine_id="eng-x", request_ids=["pd-own"], acquire=True,
+                                 tp_rank=0, consumer="x-1")):
+        pair.client.request(HOST, pair.p_port, msg)
+    for _ in range(3):
+        step(pair.p)
+    lease = pd(pair.p).lender.leases.table.get("pd-own")
+    assert lease is not None and lease.state is LeaseState.HELD and not lease.released_ranks
+    assert pd(pair.p).lender.leases.num_wrong_sender == 2
+    play_worker(pair, spec)  # D: no pin, READ (not played), release
+    report_until_finished(pair, d_req, finished_recving={d_req.request_id})
+    assert d_req.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    both_empty(pair)
+
+
+def test_d_ending_after_p_answer_but_before_its_load_frees_p_blocks_at_once() -> None:
+    """D took P's answer but had no free blocks for it (its KV cache is
+    full), so its load was never scheduled; the client then gives up. D's
+    scheduler releases P's lease naming the request, which drops the hold
+    P's answer gave it: P frees the blocks now, not when the lease expires."""
+    pair = PullPair(d_blocks=8)
+    try:
+        local = create_request(6 * BLOCK_SIZE, request_id="local", max_tokens=80)
+        pair.d.add_request(local)
+        step(pair.d)
+        n = 2 * BLOCK_SIZE + 1  # 3 blocks; D has 1 free
+        d_req, _, _ = park_on_d(pair, "pd-full", n)
+        assert wait_for(lambda: "pd-full" in pd(pair.p).pull_producer._waits)
+        prefill_on_p(pair, "pd-full", n)
+        book = pd(pair.d).d._reqs
+        assert wait_for(lambda: (step(pair.d), not book[d_req.request_id].parked)[1])
+        for _ in range(3):
+            out, _ = step(pair.d)
+            assert out.kv_connector_metadata.reqs_to_recv == []
+        assert d_req.status is RequestStatus.WAITING and local.status is RequestStatus.RUNNING
+        pair.d.finish_requests([d_req.request_id], RequestStatus.FINISHED_ABORTED)
+        # The lease lasts 5 s; it is gone well before.
+        assert wait_for(lambda: (step(pair.p), "pd-full" not in pd(pair.p).lender)[1],
+                        timeout=2)
+        pair.d.finish_requests([local.request_id], RequestStatus.FINISHED_ABORTED)
         both_empty(pair)
     finally:
         pair.close()

@@ -46,7 +46,8 @@ class Pair:
 
     def __init__(self, mode: str = "sync", d_policy: str = "fail",
                  d_extra: dict[str, object] | None = None) -> None:
-        common = {"transfer_mode": "push", "handshake_timeout": 0.5}
+        # 3 s: side-channel requests here must succeed, on a loaded host too.
+        common = {"transfer_mode": "push", "handshake_timeout": 3.0}
         self.p_port, self.d_port = free_port(), free_port()
         self.p = create_scheduler(create_vllm_config(
             "kv_producer", engine_id="eng-p", extra=dict(

@@ -138,7 +138,7 @@ def test_a_seed_pending_leg_in_pull_mode_is_refused_and_ends_with_an_error() -> 
     from pdunit_utils import free_port
 
     sched = create_scheduler(create_vllm_config(
-        "kv_consumer", engine_id="eng-d", extra={"handshake_timeout": 0.5},
+        "kv_consumer", engine_id="eng-d", extra={"handshake_timeout": 3.0},
         kv_load_failure_policy="recompute"))
     try:
         req = create_request(100, request_id="d-pull", max_tokens=2, kv_transfer_params=dict(

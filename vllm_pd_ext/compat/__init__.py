@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 import vllm
@@ -211,18 +212,20 @@ def append_prompt_token(request: Any, token: int) -> None:
     request.update_block_hashes()
 
 
-def only_waits_for_remote_kv(scheduler: Any) -> bool:
-    """Nothing in ``scheduler`` can run until a remote KV load is reported:
-    no running request, none finished or loaded to process, and every
-    waiting request waits for its KV (vLLM keeps those in
-    ``kv_holding_waiting``, beside ``waiting``)."""
+def only_waits_for_remote_kv(scheduler: Any, parked: Container[str] = ()) -> bool:
+    """Nothing in ``scheduler`` can run until a remote KV load is reported
+    (or, for the ids in ``parked``, P's answer comes): no running request,
+    none finished or loaded to process, and every waiting request waits for
+    its KV (vLLM keeps those in ``kv_holding_waiting``, beside ``waiting``)
+    or is parked."""
     from vllm.v1.request import RequestStatus
 
     if (scheduler.running or scheduler.finished_req_ids
             or scheduler.finished_recving_kv_req_ids or scheduler.failed_recving_kv_req_ids):
         return False
     queues = (scheduler.waiting, getattr(scheduler, "kv_holding_waiting", ()))
-    return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for q in queues for r in q)
+    return all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS or r.request_id in parked
+               for q in queues for r in q)
 
 
 def waits_for_remote_kv(scheduler: Any, request_id: str) -> bool:

@@ -74,8 +74,9 @@ class Context:
     #: EngineCore: True once after a step reported a KV load done
     #: (``skip_idle_yield``).
     loads_reported: Callable[[], bool] | None = None
-    #: EngineCore: turn on the scheduler half's landing view; False where
-    #: it has none (not a push D with ``push_idle_wait_ms`` > 0).
+    #: EngineCore: turn on the scheduler half's work before ``schedule()``
+    #: (push's landing view, concurrent pull's wait for P's answer); False
+    #: where it has none (not a D with ``push_idle_wait_ms`` > 0).
     enable_landing: Callable[[], bool] | None = None
 
 
@@ -250,10 +251,12 @@ def _apply_same_step_landing(ctx: Context) -> str:
     if ctx.cfg is not None and not ctx.cfg.same_step_landing:
         raise Skip("same_step_landing is false")
     if ctx.enable_landing is None or not ctx.enable_landing():
-        raise Skip("not a push D with push_idle_wait_ms > 0")
+        raise Skip("not a D with push_idle_wait_ms > 0")
     engine_patches.same_step_landing()
     return ("a push D schedules a request in the step its scheduler sees the KV land "
-            "(the workers' forwarded notifications), a step before the workers' report")
+            "(the workers' forwarded notifications), a step before the workers' report; "
+            "a concurrent pull D waits for P's answer before schedule(), so its READ "
+            "starts in the step the answer wakes")
 
 
 def _apply_drain_window(ctx: Context) -> str:
@@ -364,7 +367,8 @@ PATCHES: tuple[Patch, ...] = (
         _V, (Process.ENGINE_CORE,),
         "an idle push D learned a load landed only from the output of an empty step run "
         "for it, and computed with it in the step after: two crossings to its workers "
-        "between the KV landing and token #2 (issue 29)",
+        "between the KV landing and token #2; an idle concurrent pull D woken by P's "
+        "answer after planning an empty step ran it before allocating (issue 29)",
         _all(_needs("vllm.v1.core.sched.scheduler.Scheduler._handle_blocked_waiting_request",
                     "RequestStatus.WAITING_FOR_REMOTE_KVS",
                     "if request_id not in self.finished_recving_kv_req_ids:",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from vllm_pd_ext.leases.table import Consumer, LeaseState, LeaseTable, SweepResult
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.wire import protocol as proto
+from vllm_pd_ext.wire.protocol import LEASE_UNKNOWN
 
 logger = get_logger(__name__)
 
@@ -137,6 +138,15 @@ class LeaseService:
             for rank in ranks:
                 done = self.table.release(request_id, rank, ok) or done
             return done
+
+    def extend(self, request_id: str, engine_id: str, consumer: str) -> float:
+        """P tells a waiting D its answer (concurrent pull): the lease lasts
+        a whole duration from now, held for D's request ``consumer`` of
+        engine ``engine_id`` until it released (``LeaseTable.extend``)."""
+        with self.lock:
+            if self._held_by_other(request_id, engine_id):
+                return LEASE_UNKNOWN
+            return self.table.extend(request_id, (Consumer(engine_id, consumer), -1))
 
     # ------------------------------------------------------------ side channel
     def _held_by_other(self, request_id: str, engine_id: str, releasing: bool = False) -> bool:

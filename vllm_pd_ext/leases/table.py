@@ -171,6 +171,28 @@ class LeaseTable:
             self._count_consumers(lease, consumer_ranks)
         return lease.expiry - now
 
+    def extend(self, request_id: str, holder: Holder | None = None) -> float:
+        """P's own extension, as it tells a waiting D its answer (concurrent
+        pull): expiry = max(expiry, now + duration), and ``holder`` (that D
+        request, every rank: -1) recorded as a pin's would be, so no other
+        engine's release ends the lease under D's READ; returns seconds
+        left or LEASE_UNKNOWN/LEASE_EXPIRED. Unlike a reader's ``renew`` it
+        leaves the lease HELD and uncounted, so D's cancel can still
+        ``evict`` it (D then never reads it)."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return LEASE_EXPIRED if request_id in self._tombstones else LEASE_UNKNOWN
+        now = self._clock()
+        if (lease.expiry <= now or lease.state is LeaseState.RELEASED
+                or lease.state is LeaseState.WRITING):
+            return LEASE_EXPIRED
+        if holder is not None and holder not in lease.holders:
+            if len(lease.holders) >= MAX_HOLDERS:
+                return LEASE_EXPIRED
+            lease.holders.add(holder)
+        lease.expiry = max(lease.expiry, now + self.duration_s)
+        return lease.expiry - now
+
     @staticmethod
     def _count_consumers(lease: Lease, consumer_ranks: int) -> None:
         """A lease is granted before D is chosen, with P's own rank count;

@@ -93,8 +93,11 @@ class PullConsumer:
     def abandon(self, rid: str, params: KVTransferParams, why: str) -> None:
         """Stop heartbeating and let every P rank's lease share go."""
         self.heartbeats.untrack(rid)
+        # Named as this request: a concurrent pull's P made it the lease's
+        # holder in its answer, and a release without it would leave the
+        # blocks lent until the lease expired.
         self.heartbeats.release(_endpoint(params), str(params.remote_request_id), self.tp_size,
-                                why)
+                                why, consumer=rid)
 
 
 def _endpoint(params: KVTransferParams) -> Endpoint:

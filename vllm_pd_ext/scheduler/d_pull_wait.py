@@ -18,7 +18,10 @@ a time. D renews every quarter of it; P keeps a wait ``ttl`` from each.
 
 What this costs beyond the bytes: P's message (one side-channel hop), D's
 scheduler noticing it (its next ``schedule()``), the allocation, the
-crossing to the worker, the READ and its report. D's API server, its input
+crossing to the worker, the READ and its report. No pin: P extended the
+lease as it answered, after it had a ``PullWait`` whose send time D knows
+(``seq``), so D knows on its own clock how long the blocks stay P's
+(``Parked.valid_until``, then ``RecvSpec.valid_until``). D's API server, its input
 queue and the request's arrival overlap P's prefill.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_pd_ext.log import get_logger
 from vllm_pd_ext.wire import protocol as proto
@@ -39,6 +42,10 @@ from vllm_pd_ext.wire.side_channel import SideChannelError
 logger = get_logger(__name__)
 
 Endpoint = tuple[str, int]
+
+#: Send times kept per wait: P names the latest wait it had, and D renews
+#: every quarter of ``push_timeout``, so older ones are never named.
+MAX_SENT_KEPT = 16
 
 
 @dataclass
@@ -62,6 +69,13 @@ class Parked:
     ready_at: float = 0.0
     #: Why the wait failed ("" while it has not).
     failed: str = ""
+    #: ``PullWait``s sent so far; seq -> when (the latest ``MAX_SENT_KEPT``).
+    seq: int = 0
+    sent: dict[int, float] = field(default_factory=dict)
+    #: Until when (this engine's clock) P's answer guarantees the blocks:
+    #: the send time of the ``PullWait`` it names + its ``lease_s``; 0:
+    #: not known (the worker pins).
+    valid_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -220,11 +234,16 @@ class PullWaits:
 
     def _send_wait(self, wait: Parked) -> None:
         rid = wait.request_id
+        wait.seq += 1
+        # Read before it leaves: P can only have it later.
+        wait.sent[wait.seq] = self._clock()
+        if len(wait.sent) > MAX_SENT_KEPT:
+            del wait.sent[min(wait.sent)]
         self._outbox.send(wait.endpoint[0], wait.endpoint[1], proto.PullWait(
             engine_id=self.engine_id, expect_engine_id=wait.expect_engine_id,
             pd_request_id=wait.pd_request_id, request_id=rid, notify_host=self.host,
-            notify_port=self.port, ttl_s=min(self.wait_timeout_s, proto.MAX_TTL_S)),
-            lambda reply: self._on_wait_reply(rid, reply))
+            notify_port=self.port, ttl_s=min(self.wait_timeout_s, proto.MAX_TTL_S),
+            seq=wait.seq), lambda reply: self._on_wait_reply(rid, reply))
 
     def _apply_events(self) -> None:
         if not self._events:  # (a racy read: a late event is seen next time)
@@ -238,6 +257,11 @@ class PullWaits:
             what = event.what
             if isinstance(what, proto.PullReady):
                 wait.ready, wait.ready_at = what, event.at
+                sent = wait.sent.get(what.wait_seq)
+                if what.ok and what.lease_s > 0 and sent is not None:
+                    # P extended the lease after it had this wait, which
+                    # left here at ``sent`` or later: a bound on our clock.
+                    wait.valid_until = sent + what.lease_s
             elif isinstance(what, proto.PullWaiting):
                 wait.renewing = False
                 if what.state is proto.PullWaitState.QUEUED:

@@ -34,6 +34,7 @@ for every ``Leg.D_LOAD`` request. Lifecycle of one request (its
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from vllm_pd_ext.scheduler.load_state import Load, LoadState
 from vllm_pd_ext.wire import auth, telemetry
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.protocol import KVTransferParams, ParamsError, TransferMode, decode_params
-from vllm_pd_ext.wire.specs import LayoutProblem, PushRecvSpec, RecvSpec
+from vllm_pd_ext.wire.specs import LayoutProblem, PushRecvSpec, RecvSpec, monotonic_clock_id
 
 logger = get_logger(__name__)
 
@@ -134,6 +135,9 @@ class DRequest(Load):
     parked: bool = False
     #: Concurrent pull: when P's answer reached this engine (monotonic).
     ready_at: float = 0.0
+    #: Concurrent pull: until when P's answer guarantees its blocks (this
+    #: host's monotonic clock; 0: not known, the worker pins).
+    valid_until: float = 0.0
 
 
 @dataclass
@@ -343,6 +347,7 @@ class DRequests:
             return False
         leg = d.params
         d.params, d.parked, d.seed, d.ready_at = params, False, ready.first_token, wait.ready_at
+        d.valid_until = wait.valid_until
         assert leg.remote_host is not None and leg.remote_port is not None and d.lease
         self.heartbeats.track(rid, (leg.remote_host, leg.remote_port), d.lease[1])
         return True
@@ -407,6 +412,10 @@ class DRequests:
         if isinstance(spec, LayoutProblem):
             self.out.fail[rid] = (FailureReason.LAYOUT.value, spec.why)
         elif isinstance(spec, RecvSpec):
+            if d.valid_until:
+                # P's answer extended the lease: the worker reads unpinned.
+                spec = dataclasses.replace(spec, valid_until=d.valid_until,
+                                           clock=monotonic_clock_id())
             self.out.recv.append(spec)
         elif isinstance(spec, PushRecvSpec):
             self.out.push.append(spec)

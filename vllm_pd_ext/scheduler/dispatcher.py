@@ -175,6 +175,9 @@ class PDScheduler:
         self._claimed: dict[str, float] = {}
         #: This step already slept before ``schedule()``.
         self._waited = False
+        #: Concurrent pull, ``same_step_landing``: an idle D sleeps before
+        #: ``schedule()``, not after planning an empty step (``_wait_for_p``).
+        self._pull_wait_first = False
         #: Loads promoted from the landing view since start (the stats'
         #: ``num_landed_before_step`` counts them per interval).
         self.num_landed_before_step = 0
@@ -201,9 +204,17 @@ class PDScheduler:
         self._is_producer = bool(getattr(self._kv_config, "is_kv_producer", True))
 
     def enable_landing(self) -> bool:
-        """Turn the landing view on; False where D has no idle wait (not a push D)."""
+        """Turn on what runs before vLLM's ``schedule()`` (the
+        ``same_step_landing`` patch): push's landing view, or a concurrent
+        pull D's wait for P's answer there; False where D has no idle wait."""
         if self.idle is None:
             return False
+        if self.consumer is None:
+            # Concurrent pull: nothing lands unseen (D starts its READs
+            # itself); only the idle wait moves, so P's answer is allocated
+            # and its READ starts in the step it wakes (_wait_for_p).
+            self._pull_wait_first = True
+            return True
         if self.landing is None:
             self.landing = LandingView(self.tp_size)
         self.idle.keep_forwarded = True
@@ -283,7 +294,11 @@ class PDScheduler:
         idle D sleeps here until a push lands (its step is then planned with
         the request in it), and every push the workers' forwarded
         notifications show landed on every rank is promoted now."""
-        if self.landing is None or self.idle is None:
+        if self.idle is None:
+            return
+        if self.landing is None:
+            if self._pull_wait_first:
+                self._wait_for_p(scheduler, self.idle)
             return
         try:
             self._land_before_schedule(scheduler, self.landing, self.idle)
@@ -295,6 +310,28 @@ class PDScheduler:
                              "for the workers' report")
             self.landing = None
             self.idle.keep_forwarded = False
+
+    def _wait_for_p(self, scheduler: Any, idle: IdleWait) -> None:
+        """Concurrent pull: an idle D whose only work is parked legs sleeps
+        here, so when P's answer wakes it this very ``schedule()`` allocates
+        the request and its READ leaves with this step; slept after
+        planning, the empty step planned first must cross to the workers
+        and back before the next ``schedule()`` (1 to 2 ms on our CPU
+        hosts). The sleep's bounds are the same as there."""
+        self._waited = False
+        waits = self.pull_waits
+        try:
+            if (waits is None or not self._num_waiting() or waits.has_news
+                    or self.d.out.busy or self._to_fail or self.d.to_fail
+                    or not compat.only_waits_for_remote_kv(scheduler, parked=waits)):
+                return
+        except Exception:
+            # A vLLM internal moved: sleep after planning, as without the key.
+            logger.exception("PDConnector: the wait before schedule() failed; turned off")
+            self._pull_wait_first = False
+            return
+        idle.wait()
+        self._waited = True
 
     def _land_before_schedule(self, scheduler: Any, landing: LandingView, idle: IdleWait
                               ) -> None:

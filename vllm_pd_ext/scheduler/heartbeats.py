@@ -84,13 +84,16 @@ class HeartbeatSender:
             self._fresh.discard(request_id)
 
     def release(self, endpoint: Endpoint, remote_request_id: str, tp_size: int,
-                reason: str) -> None:
+                reason: str, consumer: str = "") -> None:
         """Queue one release per D rank (``tp_size`` is D's own TP size,
-        which the lease then counts as its consumers)."""
+        which the lease then counts as its consumers). ``consumer``: D's
+        request, which also drops the hold P's answer gave it (a concurrent
+        pull); its workers never pinned, since its load was not scheduled."""
         for rank in range(tp_size):
             self._outbox.send(endpoint[0], endpoint[1], proto.LeaseRelease(
                 engine_id=self.engine_id, request_ids=[remote_request_id], tp_rank=rank,
-                ok=False, reason=reason, consumer_ranks=tp_size), self._on_release_reply)
+                ok=False, reason=reason, consumer_ranks=tp_size, consumer=consumer),
+                self._on_release_reply)
 
     def _run(self) -> None:
         while True:

@@ -14,7 +14,10 @@ sends ``PullWait``; the side-channel thread files it in ``_waits``
 (``handle``). When the prefill ends, ``announce`` (scheduler thread, right
 after the lease exists) sends D ``PullReady`` with P's answer and token #1
 through an outbox, so neither thread waits on D; ``prefill_failed`` sends
-the failure. Whichever of wait and prefill end comes second sends it. D's
+the failure. Whichever of wait and prefill end comes second sends it,
+right after extending the lease a whole duration (protocol 10: the answer
+says how long, and which of D's waits P had, so D reads without a pin
+round trip; ``_with_lease``). D's
 ``PullWaitCancel``, or D's answer that no request of its waits
 (``unknown``), ends the lease early: D then never reads it, and only D
 reads it. Waits, answers and tombstones are bounded and expire.
@@ -31,6 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+import msgspec
 
 from vllm_pd_ext.leases.lender import BlockLender
 from vllm_pd_ext.log import get_logger
@@ -61,6 +66,8 @@ class _Wait:
     request_id: str
     endpoint: Endpoint
     expires: float
+    #: The latest ``PullWait.seq`` received (0: D named none).
+    seq: int = 0
 
 
 @dataclass
@@ -199,13 +206,15 @@ class PullProducer:
                     return proto.ErrorReply(ErrorCode.REFUSED, f"engine {self.engine_id} holds "
                                             f"{MAX_ENTRIES} pull waits already")
                 self._waits[key] = _Wait(msg.engine_id, msg.request_id, endpoint,
-                                         now + msg.ttl_s)
+                                         now + msg.ttl_s, max(msg.seq, other.seq if other
+                                                              else 0))
                 state = (proto.PullWaitState.QUEUED if key in self._held
                          else proto.PullWaitState.WAITING)
                 return proto.PullWaiting(engine_id=self.engine_id, state=state)
             ready.sent_to = msg.engine_id
         # Again (a renewal crossed it, or it was lost): D takes it once.
-        self._send(endpoint, ready.msg)
+        self._send(endpoint, self._with_lease(ready.msg, msg.seq, msg.engine_id,
+                                              msg.request_id))
         return proto.PullWaiting(engine_id=self.engine_id, state=proto.PullWaitState.READY)
 
     def _cancel(self, msg: proto.PullWaitCancel) -> proto.Reply:
@@ -237,7 +246,23 @@ class PullProducer:
             if wait is not None:
                 ready.sent_to = wait.engine_id
         if wait is not None:
-            self._send(wait.endpoint, msg)
+            self._send(wait.endpoint, self._with_lease(msg, wait.seq, wait.engine_id,
+                                                       wait.request_id))
+
+    def _with_lease(self, msg: proto.PullReady, seq: int, engine_id: str, request_id: str
+                    ) -> proto.PullReady:
+        """``msg`` as sent now: with the lease extended to a whole duration
+        from now and held for D's request (as D's pin would), after D's
+        ``PullWait`` number ``seq`` arrived, and how long it lasts, so D
+        reads without pinning (its own send time of ``seq`` bounds this
+        moment from below on its clock). Unchanged when D named no ``seq``
+        or the lease is gone (D's pin then says so)."""
+        if not msg.ok or seq <= 0:
+            return msg
+        left = self.lender.leases.extend(msg.pd_request_id, engine_id, request_id)
+        if left <= 0:
+            return msg
+        return msgspec.structs.replace(msg, lease_s=min(left, proto.MAX_TTL_S), wait_seq=seq)
 
     def _send(self, endpoint: Endpoint, msg: proto.PullReady) -> None:
         with self._lock:

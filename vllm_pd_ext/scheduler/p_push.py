@@ -48,6 +48,7 @@ from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
 from vllm_pd_ext.wire.protocol import ErrorCode
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
 
 logger = get_logger(__name__)
 
@@ -93,7 +94,7 @@ class PushProducer:
         if missing:
             raise RuntimeError(f"PDConnector: push mode, but workers {missing} publish no "
                                "order endpoint")
-        self._ctx = zmq.Context()
+        self._ctx = GcSafeContext()
         for rank, addr in endpoints.items():
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)

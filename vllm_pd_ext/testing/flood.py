@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import zmq
 
 from vllm_pd_ext.wire import curve
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def many_part_flood(host: str, port: int, keys: tuple[bytes, bytes] | None, *,
     ``host:port``; ``keys``: the socket's CURVE (public, secret) pair, None
     for a plain socket. Waits ``settle_s`` (time to be read, had the
     handshake passed) before it looks for a reply."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:

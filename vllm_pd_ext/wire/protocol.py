@@ -43,7 +43,7 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 9
+PROTOCOL_VERSION: Final = 10
 
 # Bounds on everything that arrives from a client or a peer: a hostile or
 # buggy field gets a decode error naming it, never a loop, an allocation or a
@@ -59,6 +59,9 @@ MAX_IDS_PER_MESSAGE: Final = 4096
 MAX_BLOCKS: Final = 1 << 20
 MAX_TP_SIZE: Final = 1024
 MAX_TTL_S: Final = 3600.0
+#: ``PullWait.seq`` at most (a wait renews every few seconds; a peer's
+#: larger number is refused at decode).
+MAX_WAIT_SEQ: Final = 2**31
 #: Tokens P sampled that a D leg's prompt carries after P's prompt (token #1
 #: from P, issue 29): D loads P's prompt and computes only these.
 MAX_SEEDED_TOKENS: Final = 1
@@ -616,7 +619,7 @@ class PushResult(msgspec.Struct, frozen=True, tag="push_result", kw_only=True):
 
 
 class PullWait(msgspec.Struct, frozen=True, tag="pull_wait", kw_only=True):
-    """D -> P (pull, protocol 9): "send me your answer for ``pd_request_id``
+    """D -> P (pull, protocol 9; ``seq`` 10): "send me your answer for ``pd_request_id``
     at ``notify_host:notify_port`` once its prefill ends". D sent its leg
     beside P's (``pd_seed_pending``), so P's blocks were not known yet. P
     answers ``PullWaiting`` at once and keeps the wait ``ttl_s`` (D renews
@@ -630,6 +633,11 @@ class PullWait(msgspec.Struct, frozen=True, tag="pull_wait", kw_only=True):
     notify_host: Host
     notify_port: Port
     ttl_s: Ttl
+    #: D's count of the ``PullWait``s it sent for this request (1, 2, ...
+    #: with each renewal); P's ``PullReady`` names the latest it had
+    #: received (protocol 10), which bounds P's lease extension from below
+    #: on D's own clock.
+    seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_SEQ)] = 0
 
 
 class PullWaitState(enum.StrEnum):
@@ -660,9 +668,10 @@ class PullWaitCancel(msgspec.Struct, frozen=True, tag="pull_wait_cancel", kw_onl
 
 
 class PullReady(msgspec.Struct, frozen=True, tag="pull_ready", kw_only=True):
-    """P -> D (pull, protocol 9): the prefill D waits for ended. ``ok``: its
-    blocks are leased to D under ``params`` (P's answer, as the proxy would
-    have forwarded it) and ``first_token`` is the token P sampled; else
+    """P -> D (pull, protocol 9; ``lease_s`` and ``wait_seq`` 10): the
+    prefill D waits for ended. ``ok``: its blocks are leased to D under
+    ``params`` (P's answer, as the proxy would have forwarded it) and
+    ``first_token`` is the token P sampled; else
     ``detail`` says why no KV comes. D answers ``Ack``, or an ``unknown``
     error when no request of its waits for it (P then frees the lease)."""
 
@@ -672,6 +681,14 @@ class PullReady(msgspec.Struct, frozen=True, tag="pull_ready", kw_only=True):
     params: KVTransferParams | None = None
     first_token: Annotated[int, msgspec.Meta(ge=-1)] = -1
     detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    #: Protocol 10, ``ok`` only: right before sending this, P extended the
+    #: lease so that it lasts ``lease_s`` more, after it had received D's
+    #: ``PullWait`` number ``wait_seq``. D, having sent that one at ``t``
+    #: (its clock), knows the blocks stay P's until ``t + lease_s`` and
+    #: reads without a pin round trip (``RecvSpec.valid_until``). 0: no
+    #: extension (D pins, as a sequential pull does).
+    lease_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_TTL_S)] = 0.0
+    wait_seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_SEQ)] = 0
 
 
 class WriteTarget(msgspec.Struct, frozen=True, kw_only=True):

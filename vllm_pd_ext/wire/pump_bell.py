@@ -36,6 +36,8 @@ from collections.abc import Callable
 
 import zmq
 
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
+
 #: The pump's period while nothing moves (about 0.2% of a core).
 IDLE_INTERVAL_S = 0.02
 #: How long the pump stays fast after the last sign of work; D renews its
@@ -89,7 +91,7 @@ class Bell:
     """Worker side: the pump waits on it (one thread: the pump's)."""
 
     def __init__(self) -> None:
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         # A ring is one byte; bound what anything else may make us buffer
@@ -151,7 +153,7 @@ class BellRinger:
     def __init__(self, endpoints: list[str],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
         # One socket per rank: PUSH would round-robin one socket's rings.
         self._socks: list[zmq.Socket[bytes]] = []
         for ep in endpoints:

@@ -42,6 +42,7 @@ from vllm_pd_ext.wire import curve
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import AuthError, FrameAuth
 from vllm_pd_ext.wire.protocol import LOCAL_CODES, ErrorCode
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
 
 _T = TypeVar("_T")
 
@@ -131,7 +132,7 @@ class SideChannelServer:
             proto.PullReady: self._on_pull,
         }
         self.address = f"tcp://{host}:{port}"
-        self._ctx = zmq.Context()
+        self._ctx = GcSafeContext()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # zmq drops a larger frame and disconnects its sender before any of

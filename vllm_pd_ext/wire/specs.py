@@ -7,7 +7,23 @@ step payload (pickled), and the workers' role modules consume them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+#: The kernel's id of this boot: processes that read the same one share
+#: CLOCK_MONOTONIC (``time.monotonic``), containers on one host included.
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+@functools.cache
+def monotonic_clock_id() -> str:
+    """Which ``time.monotonic`` clock this process reads: its host's boot
+    id; "" where it cannot be read (then no time crosses processes)."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            return f.read(64).strip()
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,14 @@ class RecvSpec:
     #: Bidirectional: P reads a previous turn's KV back from D (same READ,
     #: counted apart in the metrics).
     readback: bool = False
+    #: Concurrent pull: P's answer extended the lease and said for how long,
+    #: so the blocks stay P's until then, on the ``time.monotonic`` clock
+    #: named by ``clock`` (the scheduler's ``monotonic_clock_id``); the
+    #: worker reads without a pin while enough of it is left, if it reads
+    #: the same clock (a worker on another node, with multi-node TP, does
+    #: not). 0: not known, the worker pins.
+    valid_until: float = 0.0
+    clock: str = ""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,9 @@ class TransferRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     #: Pull: the pin ran beside the READ (issue 29), so the handoff waited
     #: for the slower of the two, not their sum.
     pin_with_read: bool | None = None
+    #: Pull: no pin; P extended the lease in its answer to D (a concurrent
+    #: pull, protocol 10), so the READ left alone.
+    pin_in_answer: bool | None = None
     #: Pull: the READ, from its post to the step that saw it complete.
     read_ms: float | None = None
     #: Push: D's registration round trip to P (``PushRegister`` -> reply).

@@ -49,6 +49,7 @@ from typing import Any
 import zmq
 
 from vllm_pd_ext.log import get_logger
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
 
 logger = get_logger(__name__)
 
@@ -79,7 +80,7 @@ class Waker:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Each wake carries its notifications; past this a wake is dropped,
@@ -108,7 +109,7 @@ class IdleWait:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         inproc = f"inproc://pd-idle-wait-{next(_ids)}"

@@ -33,6 +33,11 @@ with the pin in flight beside the READ, and never blocks the step:
   bytes are thrown away and the load fails as before. A pin answer that
   comes before a queued post sets the post's deadline (never post after
   the lease may have run out); a failed one cancels the post.
+- A concurrent pull's load has no pin at all (issue 29, protocol 10): P
+  extended the lease as it sent its answer to D's scheduler, after it had
+  a ``PullWait`` D sent at a time D knows, so ``RecvSpec.valid_until``
+  (that send time + the extension) bounds P's expiry from below on this
+  host's clock; the READ's window is that, checked as a pin's.
 - POSTING hands the READ to one poster thread: on one host UCX copies
   inside the post call (about 16 ms per 256 MiB), and NIXL releases the GIL
   meanwhile, so other requests' decode is not held up. READING polls.
@@ -75,7 +80,7 @@ from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
 from vllm_pd_ext.wire.protocol import ErrorCode
 from vllm_pd_ext.wire.side_channel import SideChannelError
-from vllm_pd_ext.wire.specs import RecvSpec
+from vllm_pd_ext.wire.specs import RecvSpec, monotonic_clock_id
 from vllm_pd_ext.wire.telemetry import TransferRecord
 from vllm_pd_ext.worker.peers import (
     PEER_IDLE_TTL_S,
@@ -87,6 +92,9 @@ from vllm_pd_ext.worker.peers import (
 
 logger = get_logger(__name__)
 
+#: A lease P's answer guaranteed with less than this left is pinned as a
+#: sequential pull's is (a late answer; the READ would not fit).
+UNPINNED_MIN_LEFT_S = 2.0
 #: Never post a READ with less than this left on the pinned lease.
 PIN_SAFETY_MARGIN_S = 1.0
 #: How often ``advance`` looks for idle peers.
@@ -158,6 +166,8 @@ class RecvJob:
     post_by: float = math.inf
     #: The pin failed: raised once the READ settled.
     pin_error: LoadFailed | None = None
+    #: No pin: P's answer extended the lease (``RecvSpec.valid_until``).
+    pin_in_answer: bool = False
     #: The post failed before any READ went out: raised once the pin answered
     #: (a failed pin's reason wins).
     not_posted: LoadFailed | None = None
@@ -193,11 +203,12 @@ class RecvJob:
             mode="readback" if s.readback else "pull", outcome=outcome, detail=detail[:300],
             bytes=self.nbytes, descriptors=self.ndescs, blocks=len(s.local_block_ids),
             tokens=s.num_tokens,
-            handshake_ms=telemetry.ms((self.pin_sent or now) - self.arrived),
+            handshake_ms=telemetry.ms((self.pin_sent or self.posted or now) - self.arrived),
             pin_ms=(telemetry.ms((self.pin_at or now) - self.pin_sent) if self.pin_sent
                     else None),
             read_ms=telemetry.ms(read_end - self.posted) if self.posted else None,
             pin_with_read=bool(self.pin_sent) or None,
+            pin_in_answer=self.pin_in_answer or None,
             # Built when the load is found ended, in the step that reports it.
             worker_ms=telemetry.ms(now - self.arrived),
             lease_left_s=(round(self.valid_until - self.posted, 3)
@@ -468,12 +479,22 @@ class PullReader:
         def pinned(job: RecvJob = job) -> None:
             job.pin_at = self._clock()
 
-        # The pin first: its send time bounds the READ's window from below.
-        job.pin_sent = self._clock()
-        job.pin = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
-            engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
-            tp_rank=self.tp_rank, consumer=spec.request_id,
-            consumer_ranks=self.compat.tp_size), on_reply=pinned)
+        left = spec.valid_until - self._clock()
+        if (spec.valid_until and spec.clock and spec.clock == monotonic_clock_id()
+                and left > UNPINNED_MIN_LEFT_S):
+            # A concurrent pull: P's answer extended the lease and said how
+            # long (``d_pull_wait``), on the clock this process reads too:
+            # no pin round trip.
+            job.valid_until = spec.valid_until
+            job.post_by = spec.valid_until - min(PIN_SAFETY_MARGIN_S, left / 4)
+            job.pin_in_answer = True
+        else:
+            # The pin first: its send time bounds the READ's window from below.
+            job.pin_sent = self._clock()
+            job.pin = self._send(spec.remote_host, spec.remote_port, proto.LeaseRenew(
+                engine_id=self.engine_id, request_ids=[spec.remote_request_id], acquire=True,
+                tp_rank=self.tp_rank, consumer=spec.request_id,
+                consumer_ranks=self.compat.tp_size), on_reply=pinned)
         job.posted = self._clock()
         job.nbytes = sum(n for _, descs, _ in reads for _, _, n in descs)
         job.ndescs = sum(len(descs) for _, descs, _ in reads)

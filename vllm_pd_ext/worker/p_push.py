@@ -52,6 +52,7 @@ from vllm_pd_ext.transport.tp_slices import Slice, slice_descriptors
 from vllm_pd_ext.wire import protocol as proto
 from vllm_pd_ext.wire.auth import FrameAuth
 from vllm_pd_ext.wire.outbox import Outbox
+from vllm_pd_ext.wire.zmq_context import GcSafeContext
 from vllm_pd_ext.worker.peers import PEER_IDLE_TTL_S, AgentCache, AgentMismatch, CachedAgent
 
 logger = get_logger(__name__)
@@ -128,7 +129,7 @@ class Pusher:
                                   kernel_blocks=kernel_blocks)
         self._inflight: list[_Write] = []
         self._next_reap = 0.0
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = GcSafeContext()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
