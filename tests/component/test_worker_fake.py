@@ -399,8 +399,10 @@ def test_idle_step_reports_the_load_it_started(make_pair, idle):
     """A step that computes nothing waits (``pull_report_wait_ms``) for the
     load it started and reports it at once: D's scheduler does not wait a
     step to learn of it. A step that computes does not wait."""
-    pair = make_pair(d_cfg=PDConfig(handshake_timeout=1.0, transfer_timeout=5.0,
-                                    pull_report_wait_ms=500.0))
+    # A long report wait, bounds far below it: only a wait that runs out (or
+    # a busy step that waits at all) fails, not a slow CI host.
+    pair = make_pair(d_cfg=PDConfig(handshake_timeout=1.0, transfer_timeout=10.0,
+                                    pull_report_wait_ms=8000.0))
     pair.grant("p0")
     pair.grant("p1")
     # The first load pays for the handshake.
@@ -412,10 +414,10 @@ def test_idle_step_reports_the_load_it_started(make_pair, idle):
     _, recving, failed = pair.d_worker.get_transfer_results()
     took = time.monotonic() - t0
     if idle:
-        assert recving == {"d1"} and failed == set() and took < 0.5
+        assert recving == {"d1"} and failed == set() and took < 4.0
         assert_blocks_copied(pair, [1, 2, 3, 7, 5, 6], [4, 5, 6, 0, 1, 2])
     else:
-        assert recving == set() and took < 0.05
+        assert recving == set() and took < 4.0
         _, recving, failed = drive(pair.d_worker, None, {"d1"})
         assert recving == {"d1"} and failed == set()
 

@@ -36,6 +36,11 @@ from vllm_pd_ext.wire.specs import monotonic_clock_id
 
 #: The token pdsched's fake forward samples on P: P's token #1.
 P_TOKEN = 100
+#: An idle wait that P's answer must cut short, and how soon it must: far
+#: apart, so that only a wake that never comes fails (a loaded CI host once
+#: took 5 s to carry P's answer across the side channel).
+IDLE_WAIT_MS = 30_000.0
+WOKEN_WITHIN_S = 20.0
 
 
 class PullPair:
@@ -324,7 +329,7 @@ def test_an_idle_d_sleeps_while_parked_and_p_answer_wakes_it() -> None:
     and the step after it skips vLLM's idle yield."""
     import threading
 
-    pair = PullPair(idle_wait_ms=5000.0)
+    pair = PullPair(idle_wait_ms=IDLE_WAIT_MS)
     try:
         d_req, _, _ = park_on_d(pair, "pd-idle", BLOCK_SIZE)  # (its step slept: no answer)
         assert wait_for(lambda: "pd-idle" in pd(pair.p).pull_producer._waits)
@@ -334,10 +339,10 @@ def test_an_idle_d_sleeps_while_parked_and_p_answer_wakes_it() -> None:
         timer = threading.Timer(0.2, lambda: prefill_on_p(pair, "pd-idle", BLOCK_SIZE))
         timer.start()
         t0 = time.monotonic()
-        step(pair.d)  # sleeps until P's answer arrives (not the whole 5 s)
+        step(pair.d)  # sleeps until P's answer arrives (not the whole wait)
         took = time.monotonic() - t0
         timer.join()
-        assert idle.num_woken == woken + 1 and took < 4.5, took
+        assert idle.num_woken == woken + 1 and took < WOKEN_WITHIN_S, took
         assert pd(pair.d).take_loads_reported()  # vLLM's idle yield is skipped
         spec = step_until_recv(pair, d_req)
         play_worker(pair, spec)
@@ -356,7 +361,7 @@ def test_with_same_step_landing_the_step_p_answer_wakes_starts_the_read(mode: st
     in was already planned empty: the READ leaves a step later, above.)"""
     import threading
 
-    pair = PullPair(mode, idle_wait_ms=5000.0, d_extra={"same_step_landing": True})
+    pair = PullPair(mode, idle_wait_ms=IDLE_WAIT_MS, d_extra={"same_step_landing": True})
     try:
         sched = pd(pair.d)
         assert sched._pull_wait_first and sched.landing is None
@@ -371,7 +376,8 @@ def test_with_same_step_landing_the_step_p_answer_wakes_starts_the_read(mode: st
         out, _ = step(pair.d)  # sleeps before schedule() until P's answer arrives
         took = time.monotonic() - t0
         timer.join()
-        assert idle.num_woken == woken + 1 and idle.num_waits == waits + 1 and took < 4.5, took
+        assert (idle.num_woken == woken + 1 and idle.num_waits == waits + 1
+                and took < WOKEN_WITHIN_S), took
         (spec,) = out.kv_connector_metadata.reqs_to_recv
         assert spec.request_id == d_req.request_id and spec.remote_request_id == "pd-first"
         assert d_req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -389,7 +395,7 @@ def test_with_same_step_landing_the_step_p_answer_wakes_starts_the_read(mode: st
 def test_with_same_step_landing_a_step_with_work_does_not_sleep() -> None:
     """The wait before ``schedule()`` is for an idle D only: with a request
     running beside the parked leg, D's steps never sleep."""
-    pair = PullPair(idle_wait_ms=5000.0, d_extra={"same_step_landing": True})
+    pair = PullPair(idle_wait_ms=IDLE_WAIT_MS, d_extra={"same_step_landing": True})
     try:
         local = create_request(BLOCK_SIZE, request_id="local", max_tokens=50)
         pair.d.add_request(local)
@@ -400,8 +406,8 @@ def test_with_same_step_landing_a_step_with_work_does_not_sleep() -> None:
         t0 = time.monotonic()
         for _ in range(5):
             step(pair.d)
-        # 4 s: five steps on a loaded host; one idle wait alone takes 5 s.
-        assert time.monotonic() - t0 < 4.0 and idle.num_waits == 0
+        # Five steps on a loaded host; one idle wait alone takes IDLE_WAIT_MS.
+        assert time.monotonic() - t0 < WOKEN_WITHIN_S and idle.num_waits == 0
         assert local.status is RequestStatus.RUNNING and d_req.status is RequestStatus.WAITING
         pair.d.finish_requests([local.request_id, d_req.request_id],
                                RequestStatus.FINISHED_ABORTED)
