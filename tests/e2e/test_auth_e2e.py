@@ -51,7 +51,10 @@ UNAUTH = "vllm:pd_ext_unauthenticated_total"
 def trio(model: str) -> Iterator[tuple[Engine, Engine, Proxy]]:
     logs = log_dir("auth")
     env = {auth.DEFAULT_SECRET_ENV: SECRET}
-    p = Engine("p-auth", model, logs, role="kv_producer", cpu_bind="0", env=env)
+    # A long lease: the operator's lease must outlive the attacker's rounds
+    # however slowly a loaded host runs them (no test here waits for expiry).
+    p = Engine("p-auth", model, logs, role="kv_producer", cpu_bind="0", env=env,
+               extra_config={"lease_duration": 300.0})
     d = Engine("d-auth", model, logs, role="kv_consumer", cpu_bind="1", failure_policy="fail",
                env=env)
     proxy = Proxy([p.url], [d.url], logs, env=env)

@@ -106,10 +106,18 @@ def test_draining_d_finishes_its_stream_and_refuses_new_legs(
         except BaseException as exc:  # reported by the assertions below
             result["error"] = exc
 
+    def admitted() -> bool:
+        m = d.metrics()
+        return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= 1
+
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.3)
-    assert t.is_alive(), "the stream ended before the drain began: nothing was tested"
+    # D has the stream before the drain (a loaded host may take a while to
+    # carry it there; a drain before that would refuse it, testing nothing).
+    deadline = time.monotonic() + 30.0
+    while not admitted() and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert t.is_alive() and admitted(), "the stream was not running on D when the drain began"
     os.kill(d.proc.pid, signal.SIGTERM)
     time.sleep(0.3)
     other = completion_body(model, token_prompt(50, 97_003), max_tokens=4)

@@ -40,7 +40,9 @@ from vllm_pd_ext.wire import telemetry
 
 pytestmark = pytest.mark.engine
 
-LEASE_S = 3.0
+#: P's lease here: short enough to watch one expire, long enough that D's
+#: pin (or its 5 s heartbeat) reaches P on a loaded host in every handoff.
+LEASE_S = 10.0
 
 
 @pytest.fixture(scope="module")

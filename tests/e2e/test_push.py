@@ -62,6 +62,8 @@ D_SIDE_CHANNEL_TIMEOUT_S = 2.0
 D_TRANSFER_TIMEOUT_S = 5.0
 #: D gives up on a push this long after registering (see PushConsumer).
 D_DEADLINE_S = D_PUSH_TIMEOUT_S + D_SIDE_CHANNEL_TIMEOUT_S
+#: d_recompute's push_timeout (the default): what "at once" is measured against there.
+D_RECOMPUTE_WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +261,7 @@ def test_prefill_without_registration_expires_and_late_d_fails_cleanly(
     status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
         p, pd_id, engine_id(p))))
     assert status >= 500, got
-    assert time.monotonic() - started < D_DEADLINE_S / 2  # refused at once, no timeout
+    assert time.monotonic() - started < D_DEADLINE_S - 2  # at once (a timeout takes D_DEADLINE_S)
     assert f"pd_request_id {pd_id!r} was already expired" in d.log_text()
 
 
@@ -349,7 +351,7 @@ def test_p_that_cannot_write_tells_d_at_once(push: dict[str, Any], model: str) -
     status, got, took = prefill_one_prompt_decode_another(push["p"], d, "cannot-write-1", 66,
                                                           d_body)
     assert status >= 500, got
-    assert took < D_DEADLINE_S / 2
+    assert took < D_DEADLINE_S - 2  # the deadline's path cannot end sooner
     assert "P could not write the KV: P prefilled 37 tokens but D's prompt has 300" in (
         d.log_text())
 
@@ -375,21 +377,26 @@ def test_p_answers_confirm_its_identity_so_health_rounds_do_not_probe_it(
         proxy.wait_ready()
         probes, m0 = identity_probes(proxy), push["d"].metrics()
         assert probes >= 1
-        sent = prompts = 0
+        answers = []
         end = time.monotonic() + 3.0  # 15 rounds
         while time.monotonic() < end:
-            # A new prompt each time: D loads it.
-            body = completion_body(model, text_prompt(40, seed=911 + sent), max_tokens=3,
-                                   ignore_eos=True)
+            # A new prompt each time: D loads it. (The reference answers come
+            # after the timed rounds: the shared engine may be slow.)
+            body = completion_body(model, text_prompt(40, seed=911 + len(answers)),
+                                   max_tokens=3, ignore_eos=True)
+            answers.append((body, send_completion(proxy.url, body, f"probe-{len(answers)}")))
+        # Probing each round would be about 15; a request slowed past 6
+        # rounds (1.2 s) on a loaded host lets one through, rarely two.
+        assert identity_probes(proxy) - probes <= 3, (identity_probes(proxy), probes,
+                                                      len(answers))
+        prompts = 0
+        for body, got in answers:
             _, want = ref.post("/v1/completions", body)
-            assert_same_as_reference(ref, send_completion(proxy.url, body, f"probe-{sent}"),
-                                     want)
-            sent, prompts = sent + 1, prompts + want["usage"]["prompt_tokens"]
+            assert_same_as_reference(ref, got, want)
+            prompts += want["usage"]["prompt_tokens"]
         # Most of every prompt came as KV (D's own prefix cache serves the
         # odd block two prompts share).
-        assert sent >= 3 and delta(m0, push["d"].metrics(), EXTERNAL) >= 0.75 * prompts
-        # A request slowed past 6 rounds (1.2 s) would let one through.
-        assert identity_probes(proxy) - probes <= 1, (identity_probes(proxy), probes, sent)
+        assert len(answers) >= 3 and delta(m0, push["d"].metrics(), EXTERNAL) >= 0.75 * prompts
     finally:
         proxy.stop()
 
@@ -633,7 +640,7 @@ def test_a_seed_pending_leg_p_cannot_write_errors_even_under_recompute(
     started = time.monotonic()
     status, got = d.post("/v1/completions", dict(d_body, kv_transfer_params=dict(
         d_params(push["p"], pd_id, engine_id(push["p"])), pd_seed_pending=True)))
-    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert time.monotonic() - started < D_RECOMPUTE_WAIT_S / 2
     assert status >= 500 or (status == 200 and got["choices"][0]["finish_reason"] == "error"), got
     assert delta(d0, d.metrics(), EXTERNAL) == 0
     assert "cannot continue after P's token #1: its KV load failed" in d.log_text()
@@ -649,7 +656,7 @@ def test_mode_mismatch_is_refused_both_ways(p: Engine, d: Engine, push: dict[str
     status, got = push["d"].post("/v1/completions", dict(body, kv_transfer_params=d_params(
         p, "mode-mismatch-1", "whatever")))
     assert status >= 500, got
-    assert time.monotonic() - started < D_DEADLINE_S / 2
+    assert time.monotonic() - started < D_DEADLINE_S - 2
     assert "incompatible peer: transfer_mode differs: theirs='push'" in push["d"].log_text()
     assert "transfer_mode: ours='pull' theirs='push'" in p.log_text()
     status, got = d.post("/v1/completions", dict(body, kv_transfer_params=d_params(
@@ -668,7 +675,7 @@ def test_p_that_cannot_write_recomputes_under_recompute_policy(
     status, got, took = prefill_one_prompt_decode_another(push["p"], d, "cannot-write-2", 69,
                                                           d_body)
     assert status == 200, got
-    assert took < D_DEADLINE_S / 2
+    assert took < D_RECOMPUTE_WAIT_S / 2
     assert_same_as_reference(ref, got, want)
     assert delta(d0, d.metrics(), EXTERNAL) == 0  # recomputed on D, nothing loaded
 

@@ -75,7 +75,14 @@ class Landing:
             self.waker.wake([notif])
             time.sleep(0.01)
         assert self.waker.num_wakes == 1
-        time.sleep(0.05)
+        # Until it reached the scheduler, however long a loaded host takes to
+        # carry it: taken into the inbox the step reads, and a wake put back
+        # in its place (a step that sleeps first returns at once, as it
+        # would have for the worker's).
+        idle = pd(self.pair.d).idle
+        assert wait_for(lambda: (idle.drain(),
+                                 any(notif in n for _, n in idle._inbox))[1])
+        idle.wake()
 
     def report(self) -> dict:
         """The workers' report of the load, with token #1 and the record."""

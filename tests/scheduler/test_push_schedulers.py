@@ -22,7 +22,7 @@ from pdsched import (
     is_async,
 )
 from pdsched import assert_scheduler_empty as assert_no_leak
-from pdunit_utils import free_port, wait_for
+from pdunit_utils import FakeClock, free_port, wait_for
 from vllm.v1.request import RequestStatus
 
 from vllm_pd_ext.leases.table import LeaseState
@@ -147,7 +147,8 @@ def wait_push_fail(pair: Pair, d_req, pause: float = 0.02) -> tuple[str, str]:
     """Step D until its scheduler hands the worker a failed push; returns
     (reason, detail) for ``d_req``."""
     fail: dict[str, tuple[str, str]] = {}
-    for _ in range(100):
+    deadline = time.monotonic() + 30.0  # a side-channel crossing or two, on a loaded host
+    while time.monotonic() < deadline:
         out, _ = step(pair.d)
         fail.update(out.kv_connector_metadata.push_fail)
         if fail:
@@ -209,13 +210,20 @@ def test_heartbeats_keyed_by_pd_request_id_keep_p_lease_alive(pair: Pair) -> Non
     d_req = create_request(200, request_id="d-internal-hb", max_tokens=2,
                            prompt=same_prompt(200), kv_transfer_params=pair.d_params(pd_id))
     pair.d.connector.on_new_request(d_req)  # arrival: heartbeats start (no schedule yet)
-    prefill_on_p(pair, pd_id, 200, request_id="p-internal-hb")
     leases = pd(pair.p).leases
-    assert leases.table.get(pd_id) is not None
-    time.sleep(LEASE_S * 1.5)
-    step(pair.p)  # sweeps: an unrenewed lease would be gone now
+    # P's leases on a clock the test moves (from now on), so that a host
+    # stalled for seconds cannot expire the lease between two heartbeats.
+    clock = FakeClock(time.monotonic())
+    leases.table._clock = clock
+    prefill_on_p(pair, pd_id, 200, request_id="p-internal-hb")
     lease = leases.table.get(pd_id)
-    assert lease is not None and lease.num_renewals >= 3
+    assert lease is not None
+    for _ in range(3):  # a renewal in each half lease, 1.5 leases in all
+        renewals = lease.num_renewals
+        assert wait_for(lambda: lease.num_renewals > renewals)  # noqa: B023
+        clock.advance(LEASE_S / 2)
+    step(pair.p)  # sweeps: an unrenewed lease would be gone now
+    assert leases.table.get(pd_id) is lease and lease.state is LeaseState.HELD
     # Now D schedules the request: the registration matches at once.
     pair.d.add_request(d_req)
     out, _ = step(pair.d)

@@ -22,8 +22,11 @@ class FakeClock:
         self.now += dt
 
 
-def wait_for(cond: Callable[[], object], timeout: float = 5.0, interval: float = 0.005) -> bool:
-    """Poll ``cond`` until truthy or ``timeout``; returns its last truthiness."""
+def wait_for(cond: Callable[[], object], timeout: float = 30.0, interval: float = 0.005) -> bool:
+    """Poll ``cond`` until truthy or ``timeout``; returns its last truthiness.
+
+    30 s by default: most waits here are for a side-channel crossing, which a
+    loaded CI host has taken 5 s to make; only a failing test waits it out."""
     deadline = time.monotonic() + timeout
     while True:
         if cond():
